@@ -1,0 +1,41 @@
+"""kvcore.spec: the executable definition of kvcore's behaviour. Standard library only.
+
+Read it top to bottom: ``types`` (config, keys, chunk arithmetic), ``plans`` (what a job
+moves), ``lookup``/``load``/``store`` (the reference semantics), ``invariants`` (one
+predicate per invariant id), and ``model`` (the reference scheduler and manager that the
+implementation is compared against).
+"""
+
+from kvcore.spec.errors import ConfigError, InvariantViolation, KVCopyError
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
+from kvcore.spec.types import (
+    PENDING,
+    GroupKind,
+    GroupSpec,
+    Key,
+    LookupResult,
+    OffloadConfig,
+    Status,
+    StoreLevel,
+    cdiv,
+    make_key,
+)
+
+__all__ = [
+    "PENDING",
+    "ConfigError",
+    "GroupKind",
+    "GroupSpec",
+    "GroupTransfer",
+    "InvariantViolation",
+    "JobKind",
+    "KVCopyError",
+    "Key",
+    "LookupResult",
+    "OffloadConfig",
+    "Status",
+    "StoreLevel",
+    "TransferPlan",
+    "cdiv",
+    "make_key",
+]
