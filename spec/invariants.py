@@ -1,0 +1,505 @@
+"""One pure predicate per invariant id, over plain-data records.
+
+Each predicate takes the record its rule is about and returns a list of ``Violation``;
+an empty list means the rule holds. The runtime checker (``KVCORE_CHECK=1``), the
+Hypothesis state machines and the CrossHair obligations all call these same functions,
+so each rule has exactly one definition. ``check`` runs every predicate that applies to a
+``Snapshot``. Compound rules are split into clauses so a violation names the one that broke.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcore.spec.lookup import HitMap, needed_chunks, served_chunks, spec_hit
+from kvcore.spec.plans import JobKind, TransferPlan, chunks_spanned
+from kvcore.spec.store import Skip
+from kvcore.spec.types import PENDING, Key, LookupResult, OffloadConfig, Status, cdiv
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A broken rule: its id, a sentence, and the offending values."""
+
+    id: str
+    message: str
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "J1", "J2",
+                 "S1", "S2", "B1", "F1", "X1", "M1", "K1")
+
+# -- records ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreOfferRecord:
+    """The chunks of one group offered to ``prepare_store`` in one step (E1)."""
+
+    group: int
+    is_draft: bool
+    tokens_per_chunk: int
+    frontier: int
+    offered: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CursorMoveRecord:
+    """One group's store cursor before and after a step, and what it passed (E2)."""
+
+    group: int
+    old: int
+    new: int
+    offered: frozenset[int]
+    skipped: dict[int, Skip]
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One verification in the lookup's convergence loop.
+
+    ``boundary`` is the boundary the group was verified at; ``query`` the chunk range it
+    read; ``result`` the largest boundary <= ``boundary`` it supports (0: none);
+    ``pops`` how many extra chunks it required beyond the boundary.
+    """
+
+    group: int
+    boundary: int
+    query: tuple[int, int]
+    result: int
+    pops: int
+
+
+@dataclass(frozen=True)
+class LookupTraceRecord:
+    """The convergence loop's trace and its answer (E3)."""
+
+    draft: tuple[bool, ...]
+    entries: tuple[TraceEntry, ...]
+    final_boundary: int
+
+
+@dataclass(frozen=True)
+class LookupRecord:
+    """One lookup: the inputs the spec needs and the answer given (L1, L2, E4)."""
+
+    config: OffloadConfig
+    computed: int
+    num_tokens: int
+    hits: HitMap
+    loading: tuple[frozenset[int], ...] | None
+    result: LookupResult
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """The chunk range each group loads for a hit (L1: only verified chunks are loaded)."""
+
+    config: OffloadConfig
+    computed: int
+    hit: int
+    chunk_ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class JobTableRecord:
+    """A request's jobs in flight when a hook ran, and whether a lookup got an answer (J1)."""
+
+    request_id: str
+    kinds: tuple[JobKind, ...]
+    lookup_answered: bool = False
+
+
+@dataclass(frozen=True)
+class CompletionRecord:
+    """A job's completion: reports received and the manager calls made (J2)."""
+
+    job_id: int
+    num_workers: int
+    reports: int
+    complete_calls: int
+    job_keys: frozenset[Key]
+    completed_keys: frozenset[Key]
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """A transfer plan with its config, and for stores the GPU position of each id (S1, S2, B1)."""
+
+    config: OffloadConfig
+    plan: TransferPlan
+    positions: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class FenceRecord:
+    """GPU ids handed out this step, stores still reading ids, and the jobs flushed (F1)."""
+
+    allocated: frozenset[int]
+    store_sources: dict[int, frozenset[int]]
+    flushed: frozenset[int]
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Keys of failed stores with their status afterwards; failed loads and reports (X1)."""
+
+    failed_store_status: dict[Key, Status]
+    failed_load_jobs: frozenset[int] = frozenset()
+    reported_load_jobs: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class EvictionRecord:
+    """One ``prepare_store`` that needed room (M1).
+
+    ``evicted`` pairs each evicted key with its state then ("ready", "pinned", "writing").
+    """
+
+    call_keys: tuple[Key, ...]
+    evicted: tuple[tuple[Key, str], ...]
+    needed: int
+    returned_none: bool
+    changed_state: bool
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """(group, chunk hash, key) triples that were produced (K1)."""
+
+    triples: tuple[tuple[int, bytes, Key], ...]
+
+
+# -- predicates, one per id -----------------------------------------------------------------
+
+
+def e1_volatile_chunk_never_offered(r: StoreOfferRecord) -> list[Violation]:
+    """E1: no key of a draft group's volatile chunk (index >= V // o - 1) is ever offered.
+
+    The drafter rewrites its trailing chunk every step; storing it serves bytes that no
+    longer match their key (the vllm#44780 configuration).
+    """
+    if not r.is_draft:
+        return []
+    first_volatile = r.frontier // r.tokens_per_chunk - 1
+    bad = [c for c in r.offered if c >= first_volatile]
+    if not bad:
+        return []
+    return [Violation("E1", f"group {r.group}: volatile chunks {bad} offered "
+                      f"(frontier {r.frontier} tokens, first volatile chunk {first_volatile})",
+                      {"group": r.group, "chunks": bad, "frontier": r.frontier})]
+
+
+def e2_cursor_leaves_no_hole(r: CursorMoveRecord) -> list[Violation]:
+    """E2: the store cursor never passes a chunk that was not offered; it never moves back.
+
+    A passed chunk that was neither offered nor skipped for a stated reason is a hole: it is
+    never stored, and every later prefix lookup of the group stops there (the hole #44784
+    left for chunked prefill).
+    """
+    out: list[Violation] = []
+    if r.new < r.old:
+        out.append(Violation("E2", f"group {r.group}: cursor moved back {r.old} -> {r.new}",
+                             {"group": r.group, "old": r.old, "new": r.new}))
+    holes = [c for c in range(r.old, r.new) if c not in r.offered and c not in r.skipped]
+    if holes:
+        out.append(Violation("E2", f"group {r.group}: cursor {r.old} -> {r.new} passed "
+                             f"chunks {holes[:8]} that were never offered",
+                             {"group": r.group, "holes": holes[:8]}))
+    return out
+
+
+def e3_one_pop_per_cycle(r: LookupTraceRecord) -> list[Violation]:
+    """E3: a draft group's extra chunk is popped once per verification at a boundary, and the
+    group is re-verified when another group strictly shrinks the boundary below it.
+
+    Popping twice under-serves by a chunk; never re-verifying after a shrink serves a
+    boundary whose extra chunk was not checked (upstream 0.33 re-armed only on non-draft
+    shrinks, so two draft window groups could serve without the extra chunk).
+    """
+    out: list[Violation] = []
+    for e in r.entries:
+        want = 1 if r.draft[e.group] else 0
+        if e.pops != want:
+            out.append(Violation("E3", f"group {e.group} verified at {e.boundary} with "
+                                 f"{e.pops} pops, expected {want}",
+                                 {"group": e.group, "pops": e.pops, "boundary": e.boundary}))
+    verified_at: dict[int, int] = {}
+    current: int | None = None
+    for e in r.entries:
+        current = e.result if current is None else min(current, e.result)
+        verified_at[e.group] = current
+    if r.final_boundary == 0:
+        return out
+    for group, at in verified_at.items():
+        if r.draft[group] and at != r.final_boundary:
+            out.append(Violation("E3", f"draft group {group} was last verified at {at} but "
+                                 f"the lookup served {r.final_boundary} without re-verifying",
+                                 {"group": group, "verified_at": at,
+                                  "final": r.final_boundary}))
+    missing = [g for g, d in enumerate(r.draft) if d and g not in verified_at]
+    if missing:
+        out.append(Violation("E3", f"draft groups {missing} never verified",
+                             {"groups": missing}))
+    return out
+
+
+def e4_draft_extra_chunk_hit(r: LookupRecord) -> list[Violation]:
+    """E4: a draft group serves a boundary only with one extra hit chunk beyond it."""
+    if not isinstance(r.result, int) or r.result == 0:
+        return []
+    boundary = r.computed + r.result
+    out: list[Violation] = []
+    for i, g in enumerate(r.config.groups):
+        if not g.is_draft:
+            continue
+        extra = cdiv(boundary, g.tokens_per_chunk)
+        status = r.hits[i][extra] if extra < len(r.hits[i]) else None
+        if status is not Status.HIT:
+            out.append(Violation("E4", f"draft group {i} serves boundary {boundary} but its "
+                                 f"extra chunk {extra} is {status}",
+                                 {"group": i, "boundary": boundary, "chunk": extra}))
+    return out
+
+
+def l1_hit_matches_spec(r: LookupRecord) -> list[Violation]:
+    """L1: the hit equals the spec's hit (largest boundary every group supports)."""
+    want = spec_hit(r.config, r.computed, r.num_tokens, r.hits, r.loading)
+    if want is PENDING or r.result is PENDING or want == r.result:
+        return []
+    return [Violation("L1", f"lookup returned {r.result}, the spec's hit is {want}",
+                      {"result": r.result, "spec": want, "computed": r.computed,
+                       "num_tokens": r.num_tokens})]
+
+
+def l1_load_within_verified(r: LoadRecord) -> list[Violation]:
+    """L1 (load half): every loaded chunk lies inside the range the lookup verified."""
+    out: list[Violation] = []
+    boundary = r.computed + r.hit
+    for i, (lo, hi) in enumerate(r.chunk_ranges):
+        if lo >= hi:
+            continue
+        served = served_chunks(r.config.groups[i], boundary, r.computed)
+        if served is None or lo < served[0] or hi > served[1]:
+            out.append(Violation("L1", f"group {i} loads chunks [{lo}, {hi}) outside the "
+                                 f"verified range {served}",
+                                 {"group": i, "range": (lo, hi), "verified": served}))
+    return out
+
+
+def l2_pending_exactly_when_uncertain(r: LookupRecord) -> list[Violation]:
+    """L2: PENDING exactly when the answer is uncertain or a needed key is being loaded."""
+    want = spec_hit(r.config, r.computed, r.num_tokens, r.hits, r.loading)
+    if (want is PENDING) == (r.result is PENDING):
+        return []
+    return [Violation("L2", f"lookup returned {r.result}, the spec says {want}",
+                      {"result": repr(r.result), "spec": repr(want)})]
+
+
+def j1_one_kind_of_job(r: JobTableRecord) -> list[Violation]:
+    """J1: one kind of job per request; no lookup result while jobs are in flight."""
+    out: list[Violation] = []
+    if JobKind.LOAD in r.kinds and len(r.kinds) > 1:
+        out.append(Violation("J1", f"request {r.request_id} has a load and other jobs: "
+                             f"{[k.value for k in r.kinds]}", {"request": r.request_id}))
+    if r.lookup_answered and r.kinds:
+        out.append(Violation("J1", f"request {r.request_id} got a lookup answer with "
+                             f"{len(r.kinds)} jobs in flight", {"request": r.request_id}))
+    return out
+
+
+def j2_completion_exact(r: CompletionRecord) -> list[Violation]:
+    """J2: completion needs exactly num_workers reports; complete_* once per job, exact keys."""
+    out: list[Violation] = []
+    if r.reports != r.num_workers:
+        out.append(Violation("J2", f"job {r.job_id} completed after {r.reports} reports, "
+                             f"num_workers={r.num_workers}", {"job": r.job_id}))
+    if r.complete_calls != 1:
+        out.append(Violation("J2", f"job {r.job_id}: complete_* called {r.complete_calls} "
+                             "times", {"job": r.job_id}))
+    if r.completed_keys != r.job_keys:
+        out.append(Violation("J2", f"job {r.job_id}: completed keys differ from the job's",
+                             {"job": r.job_id, "extra": len(r.completed_keys - r.job_keys),
+                              "missing": len(r.job_keys - r.completed_keys)}))
+    return out
+
+
+def s1_plan_shape(r: PlanRecord) -> list[Violation]:
+    """S1: one entry per group; per group, chunk count == slots == keys."""
+    groups = r.config.groups
+    if len(r.plan.groups) != len(groups):
+        return [Violation("S1", f"job {r.plan.job_id} has {len(r.plan.groups)} group entries "
+                          f"for {len(groups)} groups", {"job": r.plan.job_id})]
+    out: list[Violation] = []
+    for i, gt in enumerate(r.plan.groups):
+        spanned = chunks_spanned(len(gt.gpu_block_ids), gt.block_index,
+                                 groups[i].blocks_per_chunk)
+        if not spanned == len(gt.cpu_slots) == len(gt.keys):
+            out.append(Violation("S1", f"job {r.plan.job_id} group {i}: "
+                                 f"{len(gt.gpu_block_ids)} GPU blocks from index "
+                                 f"{gt.block_index} span {spanned} chunks, but "
+                                 f"{len(gt.cpu_slots)} slots and {len(gt.keys)} keys",
+                                 {"job": r.plan.job_id, "group": i}))
+    return out
+
+
+def _runs(positions: Sequence[int], bpc: int) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for pos in positions:
+        if runs and pos // bpc == runs[-1][-1] // bpc:
+            runs[-1].append(pos)
+        else:
+            runs.append([pos])
+    return runs
+
+
+def s2_store_runs(r: PlanRecord) -> list[Violation]:
+    """S2: within a group, a store is one run per chunk; only the first run may be short.
+
+    The copy path maps GPU blocks to CPU sub-blocks sequentially; any other shape puts
+    bytes in the wrong sub-block of the wrong chunk.
+    """
+    if r.plan.kind is not JobKind.STORE or r.positions is None:
+        return []
+    out: list[Violation] = []
+    for i, positions in enumerate(r.positions):
+        bpc = r.config.groups[i].blocks_per_chunk
+        runs = _runs(positions, bpc)
+        for n, run in enumerate(runs):
+            contiguous = run == list(range(run[0], run[0] + len(run)))
+            ends_at_chunk_end = run[-1] % bpc == bpc - 1
+            full = len(run) == bpc
+            if not (contiguous and ends_at_chunk_end and (full or n == 0)):
+                out.append(Violation("S2", f"job {r.plan.job_id} group {i}: run {n} "
+                                     f"{run} is not a {'tail' if n == 0 else 'whole'} chunk",
+                                     {"job": r.plan.job_id, "group": i, "run": run}))
+        chunks = [run[0] // bpc for run in runs]
+        if chunks != sorted(set(chunks)):
+            out.append(Violation("S2", f"job {r.plan.job_id} group {i}: chunks {chunks} "
+                                 "repeat or go backwards", {"group": i}))
+        if runs and r.plan.groups[i].block_index != runs[0][0]:
+            out.append(Violation("S2", f"job {r.plan.job_id} group {i}: block_index "
+                                 f"{r.plan.groups[i].block_index} != first position "
+                                 f"{runs[0][0]}", {"group": i}))
+    return out
+
+
+def b1_block_ids_in_range(r: PlanRecord) -> list[Violation]:
+    """B1: every GPU id satisfies 0 < id < num_gpu_blocks, every CPU id 0 <= id < num_cpu_blocks.
+
+    An unchecked id became a segfault inside the batched copy (vllm#44780); the copy
+    library re-checks every byte range before the first byte moves.
+    """
+    out: list[Violation] = []
+    n_gpu, n_cpu = r.config.num_gpu_blocks, r.config.num_cpu_blocks
+    for i, gt in enumerate(r.plan.groups):
+        bad_gpu = [b for b in gt.gpu_block_ids if not 0 < b < n_gpu]
+        bad_cpu = [s for s in gt.cpu_slots if not 0 <= s < n_cpu]
+        if bad_gpu:
+            out.append(Violation("B1", f"job {r.plan.job_id} group {i}: GPU ids {bad_gpu[:4]}"
+                                 f" outside 1..{n_gpu - 1}", {"group": i, "ids": bad_gpu[:4]}))
+        if bad_cpu:
+            out.append(Violation("B1", f"job {r.plan.job_id} group {i}: CPU slots "
+                                 f"{bad_cpu[:4]} outside 0..{n_cpu - 1}",
+                                 {"group": i, "slots": bad_cpu[:4]}))
+    return out
+
+
+def f1_fence(r: FenceRecord) -> list[Violation]:
+    """F1: a store's source block is never reused before the store is waited on."""
+    unflushed = sorted(job for job, ids in r.store_sources.items()
+                       if ids & r.allocated and job not in r.flushed)
+    if not unflushed:
+        return []
+    return [Violation("F1", f"stores {unflushed[:8]} read GPU blocks re-allocated this step "
+                      "but were not flushed", {"jobs": unflushed[:8]})]
+
+
+def x1_failure_never_hit(r: FailureRecord) -> list[Violation]:
+    """X1: a failed transfer never becomes a hit; a failed load is reported to the engine."""
+    out: list[Violation] = []
+    hits = [k for k, s in r.failed_store_status.items() if s is not Status.MISS]
+    if hits:
+        out.append(Violation("X1", f"{len(hits)} keys of failed stores are still present",
+                             {"keys": [k.hex()[:16] for k in hits[:4]]}))
+    unreported = sorted(r.failed_load_jobs - r.reported_load_jobs)
+    if unreported:
+        out.append(Violation("X1", f"failed loads {unreported[:8]} not reported for "
+                             "recompute", {"jobs": unreported[:8]}))
+    return out
+
+
+def m1_eviction_safe(r: EvictionRecord) -> list[Violation]:
+    """M1: pinned or WRITING keys are never evicted; eviction is atomic.
+
+    Evicting a pinned key hands its slot to a new store while a load still reads it.
+    """
+    out: list[Violation] = []
+    unsafe = [k for k, state in r.evicted if state != "ready"]
+    if unsafe:
+        out.append(Violation("M1", f"evicted {len(unsafe)} pinned or writing keys",
+                             {"keys": [k.hex()[:16] for k in unsafe[:4]]}))
+    own = set(r.call_keys) & {k for k, _ in r.evicted}
+    if own:
+        out.append(Violation("M1", f"evicted {len(own)} keys of the same prepare_store call",
+                             {"keys": [k.hex()[:16] for k in list(own)[:4]]}))
+    if r.returned_none and (r.evicted or r.changed_state):
+        out.append(Violation("M1", "prepare_store returned None but changed state "
+                             "(eviction not atomic)", {"evicted": len(r.evicted)}))
+    if not r.returned_none and len(r.evicted) != r.needed:
+        out.append(Violation("M1", f"evicted {len(r.evicted)} keys, {r.needed} were needed",
+                             {"evicted": len(r.evicted), "needed": r.needed}))
+    return out
+
+
+def k1_keys_distinct(r: KeyRecord) -> list[Violation]:
+    """K1: keys of different groups or different prefixes never collide."""
+    seen: dict[Key, tuple[int, bytes]] = {}
+    for group, chunk_hash, key in r.triples:
+        other = seen.setdefault(key, (group, chunk_hash))
+        if other != (group, chunk_hash):
+            return [Violation("K1", f"key {key.hex()[:24]} names both {other} and "
+                              f"{(group, chunk_hash)}", {"groups": (other[0], group)})]
+    return []
+
+
+# -- the checker ------------------------------------------------------------------------------
+
+PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
+    StoreOfferRecord: (e1_volatile_chunk_never_offered,),
+    CursorMoveRecord: (e2_cursor_leaves_no_hole,),
+    LookupTraceRecord: (e3_one_pop_per_cycle,),
+    LookupRecord: (e4_draft_extra_chunk_hit, l1_hit_matches_spec,
+                   l2_pending_exactly_when_uncertain),
+    LoadRecord: (l1_load_within_verified,),
+    JobTableRecord: (j1_one_kind_of_job,),
+    CompletionRecord: (j2_completion_exact,),
+    PlanRecord: (s1_plan_shape, s2_store_runs, b1_block_ids_in_range),
+    FenceRecord: (f1_fence,),
+    FailureRecord: (x1_failure_never_hit,),
+    EvictionRecord: (m1_eviction_safe,),
+    KeyRecord: (k1_keys_distinct,),
+}
+
+# The id each predicate checks, derived from its name, so the catalogue test can compare
+# it with INVARIANTS.md.
+PREDICATE_IDS: dict[str, str] = {
+    fn.__name__: fn.__name__[:2].upper() for fns in PREDICATES.values() for fn in fns
+}
+
+
+def check(records: Sequence[object]) -> list[Violation]:
+    """Run every predicate that applies to each record; the union of their violations."""
+    out: list[Violation] = []
+    for record in records:
+        for predicate in PREDICATES.get(type(record), ()):
+            out.extend(predicate(record))
+    return out
+
+
+def needed_range(config: OffloadConfig, group: int, boundary: int, computed: int
+                 ) -> tuple[int, int] | None:
+    """Re-export of the lookup's needed chunk range, for trace builders."""
+    return needed_chunks(config.groups[group], boundary, computed)
