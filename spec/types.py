@@ -308,7 +308,8 @@ def key_hash(key: Key) -> bytes:
     return key[:-KEY_GROUP_BYTES]
 
 
-def group_keys(cfg: OffloadConfig, group: int, hashes: tuple[bytes, ...] | list[bytes]) -> list[Key]:
+def group_keys(cfg: OffloadConfig, group: int,
+               hashes: tuple[bytes, ...] | list[bytes]) -> list[Key]:
     """Keys of every complete chunk of ``group``: chunk i ends at hash ((i+1)*hpc - 1)."""
     hpc = cfg.hashes_per_chunk(group)
     return [make_key(hashes[(i + 1) * hpc - 1], group) for i in range(len(hashes) // hpc)]

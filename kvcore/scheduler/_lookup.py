@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import TraceEntry, Violation
 from kvcore.spec.lookup import lookup_limit, needed_chunks
-from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, assert_int, cdiv
+from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, cdiv
 
 # is_hit(group, chunk_index) -> bool; PENDING has already been read as HIT or MISS.
 HitFn = Callable[[int, int], bool]
@@ -54,9 +54,8 @@ def _reach_chunks(g: GroupSpec) -> int:
     """Chunks a window group needs ending at an aligned boundary (before the draft extra)."""
     if g.kind is GroupKind.MAMBA:
         return 1
-    window = g.window_chunks
-    assert_int(window)
-    return max(window, cdiv(g.reach_tokens, g.tokens_per_chunk))  # type: ignore[type-var]
+    window = g.window_chunks or 1
+    return max(window, cdiv(g.reach_tokens, g.tokens_per_chunk))
 
 
 def _needs_reverify(g: GroupSpec) -> bool:

@@ -1,0 +1,117 @@
+"""Per-request state and the job table (with the fence index).
+
+Keys are extended incrementally as hashes arrive, and every index here is keyed by what a
+hook touches (a request, a job, a GPU id), so a step costs O(new work), never O(context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcore.spec.plans import JobKind, TransferPlan
+from kvcore.spec.types import GroupKind, Key, OffloadConfig, make_key
+
+
+@dataclass
+class RequestState:
+    """What the scheduler remembers of one request between hooks."""
+
+    request_id: str
+    prompt_tokens: int
+    max_offload_tokens: int | None
+    skip_reading: bool
+    hashes: list[bytes]
+    keys: list[list[Key]]
+    tables: list[list[int]]
+    cursors: list[int]
+    jobs: set[int] = field(default_factory=set)
+    finished: bool = False
+    hit_chunks: list[int] = field(default_factory=list)
+
+    def extend_keys(self, cfg: OffloadConfig) -> None:
+        """Append keys for chunks completed by new hashes (only the new ones are built)."""
+        for group, keys in enumerate(self.keys):
+            hpc = cfg.hashes_per_chunk(group)
+            for i in range(len(keys), len(self.hashes) // hpc):
+                keys.append(make_key(self.hashes[(i + 1) * hpc - 1], group))
+
+
+@dataclass
+class Job:
+    """A job in flight: its plan, reports so far, and the GPU ids it fences."""
+
+    plan: TransferPlan
+    reporters: set[int] = field(default_factory=set)
+    failed: bool = False
+    window_sources: frozenset[int] = frozenset()
+    other_sources: frozenset[int] = frozenset()
+
+
+class JobTable:
+    """Jobs in flight, the fence index (GPU id -> store jobs reading it) and loading keys."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, Job] = {}
+        self.fence: dict[int, set[int]] = {}
+        self.loading: dict[Key, int] = {}
+        self.next_id = 1
+        self.stale_below = 1
+
+    def new_id(self) -> int:
+        job_id = self.next_id
+        self.next_id += 1
+        return job_id
+
+    def add(self, job: Job) -> None:
+        self.jobs[job.plan.job_id] = job
+        if job.plan.kind is JobKind.LOAD:
+            for key in job.plan.keys:
+                self.loading[key] = self.loading.get(key, 0) + 1
+        self.fence_ids(job.plan.job_id, job.window_sources)
+
+    def fence_ids(self, job_id: int, ids: frozenset[int]) -> None:
+        """Register ``ids`` as read by ``job_id`` until it completes (F1)."""
+        for gpu_id in ids:
+            self.fence.setdefault(gpu_id, set()).add(job_id)
+
+    def remove(self, job_id: int) -> Job:
+        job = self.jobs.pop(job_id)
+        if job.plan.kind is JobKind.LOAD:
+            for key in job.plan.keys:
+                left = self.loading[key] - 1
+                if left:
+                    self.loading[key] = left
+                else:
+                    del self.loading[key]
+        for gpu_id in job.window_sources | job.other_sources:
+            readers = self.fence.get(gpu_id)
+            if readers is not None:
+                readers.discard(job_id)
+                if not readers:
+                    del self.fence[gpu_id]
+        return job
+
+    def jobs_reading(self, ids: frozenset[int]) -> set[int]:
+        """Store jobs whose fenced sources include any of ``ids``."""
+        out: set[int] = set()
+        for gpu_id in ids:
+            out |= self.fence.get(gpu_id, set())
+        return out
+
+    def fenced_sources(self) -> dict[int, frozenset[int]]:
+        """job -> fenced GPU ids (for the F1 check; O(fence), used only with checks on)."""
+        out: dict[int, set[int]] = {}
+        for gpu_id, jobs in self.fence.items():
+            for job_id in jobs:
+                out.setdefault(job_id, set()).add(gpu_id)
+        return {j: frozenset(ids) for j, ids in out.items()}
+
+    def clear(self) -> None:
+        self.jobs.clear()
+        self.fence.clear()
+        self.loading.clear()
+        self.stale_below = self.next_id
+
+
+def is_window_group(cfg: OffloadConfig, group: int) -> bool:
+    return cfg.groups[group].kind is GroupKind.SLIDING

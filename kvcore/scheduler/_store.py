@@ -1,0 +1,95 @@
+"""Building one request's store job for one step.
+
+The rules (what to offer, where the cursor may go) are the spec's own functions in
+``kvcore.spec.store``; this module only gathers keys and GPU ids for what the manager
+accepted, and returns the cursor moves for the scheduler to apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcore.scheduler._state import RequestState
+from kvcore.spec.invariants import CursorMoveRecord, PlanRecord, StoreOfferRecord
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
+from kvcore.spec.store import GroupOffer, chunk_source_blocks, group_offer, storable_prefix
+from kvcore.spec.types import GroupKind, Key, OffloadConfig
+
+
+@dataclass(frozen=True)
+class StoreDraft:
+    """Offers for every group of one request, before the manager has answered."""
+
+    offers: tuple[GroupOffer, ...]
+    keys: tuple[Key, ...]
+    frontier: int
+
+
+def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int) -> StoreDraft:
+    """What ``req`` offers this step: candidates from each group's cursor to its end."""
+    storable = storable_prefix(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
+    offers = []
+    keys: list[Key] = []
+    for group in range(len(cfg.groups)):
+        offer = group_offer(cfg, group, req.cursors[group], frontier, storable,
+                            req.tables[group])
+        offers.append(offer)
+        keys.extend(req.keys[group][c] for c in offer.offered)
+    return StoreDraft(tuple(offers), tuple(keys), frontier)
+
+
+@dataclass(frozen=True)
+class BuiltStore:
+    """A store plan plus what the fence and the checks need to know about it."""
+
+    plan: TransferPlan
+    positions: tuple[tuple[int, ...], ...]
+    window_sources: frozenset[int]
+    other_sources: frozenset[int]
+
+
+def build_store(cfg: OffloadConfig, req: RequestState, draft: StoreDraft, job_id: int,
+                accepted: dict[Key, int]) -> BuiltStore:
+    """The plan for the keys the manager accepted (``accepted``: key -> CPU slot)."""
+    groups: list[GroupTransfer] = []
+    positions: list[tuple[int, ...]] = []
+    window: set[int] = set()
+    other: set[int] = set()
+    for group, offer in enumerate(draft.offers):
+        bpc = cfg.groups[group].blocks_per_chunk
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        keys: list[Key] = []
+        for chunk in offer.offered:
+            key = req.keys[group][chunk]
+            if key not in accepted:
+                continue
+            first, chunk_ids = chunk_source_blocks(req.tables[group], chunk, bpc)
+            ids.extend(chunk_ids)
+            pos.extend(range(first, first + len(chunk_ids)))
+            slots.append(accepted[key])
+            keys.append(key)
+        target = window if cfg.groups[group].kind is GroupKind.SLIDING else other
+        target.update(ids)
+        groups.append(GroupTransfer(tuple(ids), pos[0] if pos else 0, tuple(slots),
+                                    tuple(keys)))
+        positions.append(tuple(pos))
+    plan = TransferPlan(job_id, JobKind.STORE, req.request_id, tuple(groups))
+    return BuiltStore(plan, tuple(positions), frozenset(window), frozenset(other))
+
+
+def store_records(cfg: OffloadConfig, draft: StoreDraft, built: BuiltStore | None,
+                  moved: bool) -> list[object]:
+    """Spec records for one request's store step (E1, E2, and S1/S2/B1 on the plan)."""
+    records: list[object] = []
+    for group, offer in enumerate(draft.offers):
+        g = cfg.groups[group]
+        records.append(StoreOfferRecord(group, g.is_draft, g.tokens_per_chunk,
+                                        draft.frontier, offer.offered))
+        new = offer.new_cursor if moved else offer.old_cursor
+        records.append(CursorMoveRecord(group, offer.old_cursor, new,
+                                        frozenset(offer.offered), offer.skipped))
+    if built is not None:
+        records.append(PlanRecord(cfg, built.plan, built.positions))
+    return records

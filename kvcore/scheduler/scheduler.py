@@ -1,0 +1,479 @@
+"""``OffloadScheduler``: the engine-facing hooks that decide what is loaded and stored.
+
+Hook order per engine step: ``lookup`` for each waiting request (tokens it may load, 0, or
+PENDING), ``after_alloc`` once its GPU blocks exist (queues the load job), ``build_step``
+at the end of scheduling (stores, and jobs the workers must wait for first), then
+``worker_output`` with the workers' reports. ``request_finished`` and ``reset`` end things.
+Every rule is the spec's; this class keeps the state incremental and, with checks on,
+hands each hook's records to ``kvcore.spec.invariants``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvcore.scheduler import _store
+from kvcore.scheduler._checks import checks_enabled, enforce
+from kvcore.scheduler._lookup import Convergence, converge
+from kvcore.scheduler._state import Job, JobTable, RequestState
+from kvcore.scheduler._types import (
+    BadReportError,
+    BadStepError,
+    KeyEvent,
+    LoadFailure,
+    OutputResult,
+    RequestInfo,
+    ScheduledRequest,
+    SchedulerStats,
+    StepInput,
+    StepPlan,
+    UnknownJobError,
+    UnknownRequestError,
+    WorkerReport,
+)
+from kvcore.spec.invariants import (
+    CompletionRecord,
+    FailureRecord,
+    FenceRecord,
+    JobTableRecord,
+    KeyRecord,
+    LoadRecord,
+    LookupRecord,
+    LookupTraceRecord,
+    PlanRecord,
+)
+from kvcore.spec.load import load_plan
+from kvcore.spec.lookup import served_chunks
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
+from kvcore.spec.types import (
+    PENDING,
+    GroupKind,
+    Key,
+    LookupResult,
+    OffloadConfig,
+    Status,
+    StoreLevel,
+    cdiv,
+    key_group,
+    key_hash,
+)
+
+
+class OffloadScheduler:
+    """Decides loads and stores for every request; owns no bytes and no pointers.
+
+    ``manager`` is the CPU tier (``CPUOffloadManager`` or anything with its interface).
+    ``check`` turns on runtime invariant checking (default: ``KVCORE_CHECK=1``).
+    """
+
+    def __init__(self, config: OffloadConfig, manager: Any, *, check: bool | None = None,
+                 pop_rule: Any = None) -> None:
+        self.config = config
+        self.manager = manager
+        self.check = checks_enabled(check)
+        self._reqs: dict[str, RequestState] = {}
+        self._jobs = JobTable()
+        self._queued_loads: list[TransferPlan] = []
+        self._window_index: dict[int, list[tuple[RequestState, int, int]]] = {}
+        self._stats = SchedulerStats()
+        self._pop_rule = pop_rule  # only the bug zoo sets this
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, info: RequestInfo) -> None:
+        """Start tracking a request (the engine's "request arrived")."""
+        if info.request_id in self._reqs:
+            raise BadStepError(f"request {info.request_id!r} is already tracked")
+        n = len(self.config.groups)
+        req = RequestState(info.request_id, info.prompt_tokens, info.max_offload_tokens,
+                           info.skip_reading, list(info.block_hashes),
+                           [[] for _ in range(n)], [[] for _ in range(n)], [0] * n)
+        req.extend_keys(self.config)
+        self._reqs[info.request_id] = req
+        if self.check:
+            self._check_keys(req)
+
+    def _req(self, request_id: str) -> RequestState:
+        try:
+            return self._reqs[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"request {request_id!r} is not tracked; call "
+                                      "add_request first") from None
+
+    def add_hashes(self, request_id: str, hashes: Sequence[bytes]) -> None:
+        """Append newly completed block hashes (tokens were generated)."""
+        req = self._req(request_id)
+        req.hashes.extend(hashes)
+        req.extend_keys(self.config)
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def lookup(self, request_id: str, computed_tokens: int, num_tokens: int) -> LookupResult:
+        """Tokens beyond ``computed_tokens`` the request may load, 0, or PENDING.
+
+        PENDING while the request has jobs in flight (J1), while an unknown key could
+        change the answer, or while another request is loading a chunk it would read.
+        """
+        req = self._req(request_id)
+        if num_tokens // self.config.hash_block_tokens > len(req.hashes):
+            raise BadStepError(f"request {request_id!r}: {num_tokens} tokens claimed but "
+                               f"only {len(req.hashes)} hashes of "
+                               f"{self.config.hash_block_tokens} tokens were given")
+        if not 0 <= computed_tokens <= num_tokens:
+            raise BadStepError(f"request {request_id!r}: computed_tokens={computed_tokens} "
+                               f"outside 0..{num_tokens}")
+        req.tables = [[] for _ in self.config.groups]
+        self._stats.lookups += 1
+        if req.jobs:
+            self._stats.deferrals += 1
+            return PENDING
+        if req.skip_reading:
+            return 0
+        result, conv, _ = self._lookup_hit(req, computed_tokens, num_tokens)
+        self._touch(req, computed_tokens + (result if isinstance(result, int) else 0))
+        if self.check:
+            self._check_lookup(req, computed_tokens, num_tokens, result, conv)
+        if result is PENDING:
+            self._stats.deferrals += 1
+        elif isinstance(result, int):
+            self._stats.hit_tokens += result
+        return result
+
+    def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int
+                    ) -> tuple[LookupResult, Convergence, dict[tuple[int, int], Status]]:
+        statuses: dict[tuple[int, int], Status] = {}
+
+        def status(group: int, idx: int) -> Status:
+            s = statuses.get((group, idx))
+            if s is None:
+                s = statuses[(group, idx)] = self.manager.lookup(req.keys[group][idx])
+            return s
+
+        num_keys = [len(k) for k in req.keys]
+        optimistic = converge(self.config, computed, num_tokens, num_keys,
+                              lambda g, i: status(g, i) is not Status.MISS, self._pop_rule)
+        conv = optimistic
+        if any(s is Status.PENDING for s in statuses.values()):
+            conv = converge(self.config, computed, num_tokens, num_keys,
+                            lambda g, i: status(g, i) is Status.HIT, self._pop_rule)
+            if conv.hit != optimistic.hit:
+                return PENDING, conv, statuses
+        if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
+            return PENDING, conv, statuses
+        return conv.hit, conv, statuses
+
+    def _being_loaded(self, req: RequestState, computed: int, hit: int) -> bool:
+        if not self._jobs.loading:
+            return False
+        for group, g in enumerate(self.config.groups):
+            rng = served_chunks(g, computed + hit, computed)
+            if rng is not None and any(req.keys[group][i] in self._jobs.loading
+                                       for i in range(*rng)):
+                return True
+        return False
+
+    def _touch(self, req: RequestState, boundary: int) -> None:
+        """Refresh recency: whole prefixes for FULL groups, the reachable tail for windows."""
+        for group, g in enumerate(self.config.groups):
+            keys = req.keys[group]
+            if g.kind is GroupKind.FULL:
+                self.manager.touch(keys)
+            else:
+                hit_chunks = boundary // g.tokens_per_chunk
+                reach = (g.window_chunks or 1) + g.extra_chunks
+                self.manager.touch(keys[max(0, hit_chunks - reach):])
+
+    # -- loads --------------------------------------------------------------------------
+
+    def after_alloc(self, request_id: str, block_ids: Sequence[Sequence[int]],
+                    valid_blocks: Sequence[int], computed_tokens: int, load_tokens: int
+                    ) -> TransferPlan | None:
+        """Queue the load of ``load_tokens`` (the lookup's hit) into the allocated blocks.
+
+        ``block_ids`` is each group's whole block table (0 = null), ``valid_blocks`` how
+        many leading blocks of each already hold valid KV on the GPU.
+        """
+        req = self._req(request_id)
+        if load_tokens == 0:
+            return None
+        if req.jobs:
+            raise BadStepError(f"request {request_id!r} has jobs in flight; its lookup "
+                               "returned PENDING, so there is nothing to load")
+        loads = load_plan(self.config, computed_tokens, load_tokens, block_ids, valid_blocks)
+        keys = [req.keys[g][gl.first_chunk:gl.end_chunk] for g, gl in enumerate(loads)]
+        flat = [k for ks in keys for k in ks]
+        slots = iter(self.manager.prepare_load(flat))
+        groups = tuple(GroupTransfer(gl.gpu_block_ids, gl.block_index,
+                                     tuple(next(slots) for _ in keys[g]), tuple(keys[g]))
+                       for g, gl in enumerate(loads))
+        plan = TransferPlan(self._jobs.new_id(), JobKind.LOAD, request_id, groups)
+        self._jobs.add(Job(plan))
+        req.jobs.add(plan.job_id)
+        boundary = computed_tokens + load_tokens
+        if self.config.store_level is StoreLevel.BLOCK:
+            for group, g in enumerate(self.config.groups):
+                req.cursors[group] = max(req.cursors[group], cdiv(boundary, g.tokens_per_chunk))
+        self._queued_loads.append(plan)
+        self._stats.loads += 1
+        self._stats.chunks_loaded += len(flat)
+        if self.check:
+            ranges = tuple((gl.first_chunk, gl.end_chunk) for gl in loads)
+            enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
+                     PlanRecord(self.config, plan)])
+        return plan
+
+    # -- the step -----------------------------------------------------------------------
+
+    def build_step(self, step: StepInput) -> StepPlan:
+        """Apply the step's block allocations and return loads, stores and flushes."""
+        n = len(self.config.groups)
+        for sr in step.requests:
+            req = self._req(sr.request_id)
+            if sr.new_block_ids and len(sr.new_block_ids) != n:
+                raise BadStepError(f"request {sr.request_id!r}: {len(sr.new_block_ids)} "
+                                   f"block lists for {n} groups")
+        self._zero_stale_window_blocks(step.allocated_ids)
+        flush: set[int] = self._jobs.jobs_reading(step.allocated_ids)
+        for request_id in step.preempted:
+            req = self._req(request_id)
+            flush |= req.jobs
+            req.tables = [[] for _ in self.config.groups]
+        if self.check:
+            enforce([FenceRecord(step.allocated_ids, self._jobs.fenced_sources(),
+                                 frozenset(flush))])
+        stores: list[TransferPlan] = []
+        for sr in step.requests:
+            req = self._reqs[sr.request_id]
+            self._apply_blocks(req, sr)
+            if sr.request_id in step.preempted:
+                continue
+            plan = self._store_step(req, sr)
+            if plan is not None:
+                stores.append(plan)
+        loads, self._queued_loads = tuple(self._queued_loads), []
+        return StepPlan(loads, tuple(stores), tuple(sorted(flush)))
+
+    def _apply_blocks(self, req: RequestState, sr: ScheduledRequest) -> None:
+        if sr.new_hashes:
+            req.hashes.extend(sr.new_hashes)
+            req.extend_keys(self.config)
+        if sr.resumed:
+            req.tables = [[] for _ in self.config.groups]
+        for group, ids in enumerate(sr.new_block_ids):
+            table = req.tables[group]
+            if self.config.groups[group].kind is GroupKind.SLIDING:
+                for offset, gpu_id in enumerate(ids):
+                    if gpu_id:
+                        self._window_index.setdefault(gpu_id, []).append(
+                            (req, group, len(table) + offset))
+            table.extend(ids)
+
+    def _zero_stale_window_blocks(self, allocated: frozenset[int]) -> None:
+        """A window block the engine freed and handed out again must not be stored under
+        its old key: zero its old position (only positions the cursor has not passed)."""
+        for gpu_id in allocated:
+            entries = self._window_index.pop(gpu_id, None)
+            for req, group, pos in entries or ():
+                table = req.tables[group]
+                bpc = self.config.groups[group].blocks_per_chunk
+                if pos < len(table) and table[pos] == gpu_id and \
+                        pos >= req.cursors[group] * bpc:
+                    table[pos] = 0
+
+    def _store_step(self, req: RequestState, sr: ScheduledRequest) -> TransferPlan | None:
+        if any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
+            return None
+        frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
+        draft = _store.draft_store(self.config, req, frontier)
+        if not draft.keys:
+            self._move_cursors(req, draft)
+            if self.check:
+                enforce(_store.store_records(self.config, draft, None, True))
+            return None
+        out = self.manager.prepare_store(list(draft.keys))
+        if out is None:
+            self._stats.store_skipped_no_room += 1
+            if self.check:
+                enforce(_store.store_records(self.config, draft, None, False))
+            return None
+        self._move_cursors(req, draft)
+        if not out.keys_to_store:
+            if self.check:
+                enforce(_store.store_records(self.config, draft, None, True))
+            return None
+        accepted = dict(zip(out.keys_to_store, out.slots, strict=True))
+        built = _store.build_store(self.config, req, draft, self._jobs.new_id(), accepted)
+        self._jobs.add(Job(built.plan, window_sources=built.window_sources,
+                           other_sources=built.other_sources))
+        if req.finished:
+            self._jobs.fence_ids(built.plan.job_id, built.other_sources)
+        req.jobs.add(built.plan.job_id)
+        self._stats.stores += 1
+        self._stats.chunks_stored += len(out.keys_to_store)
+        if self.check:
+            enforce(_store.store_records(self.config, draft, built, True))
+        return built.plan
+
+    @staticmethod
+    def _move_cursors(req: RequestState, draft: _store.StoreDraft) -> None:
+        for group, offer in enumerate(draft.offers):
+            req.cursors[group] = max(req.cursors[group], offer.new_cursor)
+
+    # -- completions ----------------------------------------------------------------------
+
+    def worker_output(self, reports: Iterable[WorkerReport]) -> OutputResult:
+        """Count the workers' reports; settle each job all ``num_workers`` have reported.
+
+        The whole batch is validated before anything changes: a duplicate report, one from
+        a worker outside ``0..num_workers-1`` or for an unknown job raises and leaves the
+        state as it was. Reports for jobs discarded by ``reset`` are ignored.
+        """
+        fresh = self._validate_reports(list(reports))
+        completed: list[int] = []
+        finished_loads: list[str] = []
+        failed_loads: list[LoadFailure] = []
+        failed_stores: list[int] = []
+        for r in fresh:
+            job = self._jobs.jobs[r.job_id]
+            job.reporters.add(r.worker)
+            job.failed |= not r.success
+            if job.plan.kind is JobKind.LOAD:
+                self._stats.bytes_loaded += r.bytes
+            else:
+                self._stats.bytes_stored += r.bytes
+            if len(job.reporters) == self.config.num_workers:
+                completed.append(r.job_id)
+                self._complete(job, finished_loads, failed_loads, failed_stores)
+        return OutputResult(tuple(completed), tuple(finished_loads), tuple(failed_loads),
+                            tuple(failed_stores))
+
+    def _validate_reports(self, reports: list[WorkerReport]) -> list[WorkerReport]:
+        seen: set[tuple[int, int]] = set()
+        fresh: list[WorkerReport] = []
+        for r in reports:
+            if r.job_id < self._jobs.stale_below:
+                continue
+            job = self._jobs.jobs.get(r.job_id)
+            if job is None:
+                raise UnknownJobError(f"job {r.job_id} is not in flight (never issued, or "
+                                      "already completed)")
+            if not 0 <= r.worker < self.config.num_workers:
+                raise BadReportError(f"job {r.job_id}: worker {r.worker} outside "
+                                     f"0..{self.config.num_workers - 1} (num_workers)")
+            if r.worker in job.reporters or (r.job_id, r.worker) in seen:
+                raise BadReportError(f"job {r.job_id}: worker {r.worker} reported twice")
+            seen.add((r.job_id, r.worker))
+            fresh.append(r)
+        return fresh
+
+    def _complete(self, job: Job, finished_loads: list[str], failed_loads: list[LoadFailure],
+                  failed_stores: list[int]) -> None:
+        plan = job.plan
+        keys = list(plan.keys)
+        self._jobs.remove(plan.job_id)
+        if plan.kind is JobKind.STORE:
+            self.manager.complete_store(keys, success=not job.failed)
+            if job.failed:
+                failed_stores.append(plan.job_id)
+                self._stats.failed_stores += 1
+        else:
+            self.manager.complete_load(keys)
+            if job.failed:
+                failed_loads.append(LoadFailure(plan.request_id, plan.job_id, tuple(
+                    g.gpu_block_ids for g in plan.groups)))
+                self._stats.failed_loads += 1
+            else:
+                finished_loads.append(plan.request_id)
+        req = self._reqs.get(plan.request_id)
+        if req is not None:
+            req.jobs.discard(plan.job_id)
+            if req.finished and not req.jobs:
+                del self._reqs[plan.request_id]
+        if self.check:
+            self._check_completion(job, keys, failed_loads)
+
+    # -- endings --------------------------------------------------------------------------
+
+    def request_finished(self, request_id: str) -> None:
+        """The engine finished (or aborted) the request and frees its GPU blocks now.
+
+        Stores still reading its full-attention blocks get those blocks fenced, so a later
+        allocation of any of them flushes the store first (F1). Nothing more is stored.
+        """
+        req = self._req(request_id)
+        req.finished = True
+        if not req.jobs:
+            del self._reqs[request_id]
+            return
+        for job_id in req.jobs:
+            job = self._jobs.jobs[job_id]
+            self._jobs.fence_ids(job_id, job.other_sources)
+
+    def reset(self) -> tuple[int, ...]:
+        """Drop the CPU tier and every job; returns the jobs the workers must wait for.
+
+        Reports for jobs issued before the reset are ignored afterwards; every tracked
+        request stores again from its first chunk.
+        """
+        flush = tuple(sorted(self._jobs.jobs))
+        self._jobs.clear()
+        self._queued_loads = []
+        self.manager.reset()
+        for request_id in [r for r, req in self._reqs.items() if req.finished]:
+            del self._reqs[request_id]
+        for req in self._reqs.values():
+            req.jobs.clear()
+            req.cursors = [0] * len(self.config.groups)
+        return flush
+
+    def take_events(self) -> list[KeyEvent]:
+        """Keys stored in or removed from the CPU tier since the last call."""
+        return [KeyEvent(key, key_group(key), e.removed)
+                for e in self.manager.take_events() for key in e.keys]
+
+    def stats(self) -> SchedulerStats:
+        return self._stats
+
+    def has_pending_work(self) -> bool:
+        """True while jobs are in flight: the engine keeps stepping until they settle."""
+        return bool(self._jobs.jobs)
+
+    def jobs_of(self, request_id: str) -> frozenset[int]:
+        return frozenset(self._req(request_id).jobs)
+
+    def tracked_requests(self) -> frozenset[str]:
+        return frozenset(self._reqs)
+
+    def cursors(self, request_id: str) -> tuple[int, ...]:
+        return tuple(self._req(request_id).cursors)
+
+    # -- runtime checks (only with checks on) ---------------------------------------------
+
+    def _check_keys(self, req: RequestState) -> None:
+        triples = tuple((key_group(k), key_hash(k), k) for keys in req.keys for k in keys)
+        enforce([KeyRecord(triples)])
+
+    def _check_lookup(self, req: RequestState, computed: int, num_tokens: int,
+                      result: LookupResult, conv: Convergence) -> None:
+        hits = tuple(tuple(self.manager.lookup(k) for k in keys) for keys in req.keys)
+        loading = tuple(frozenset(i for i, k in enumerate(keys) if k in self._jobs.loading)
+                        for keys in req.keys)
+        draft = tuple(g.is_draft for g in self.config.groups)
+        final = computed + conv.hit if conv.hit else 0
+        enforce([LookupRecord(self.config, computed, num_tokens, hits, loading, result),
+                 LookupTraceRecord(draft, conv.trace, final),
+                 JobTableRecord(req.request_id, tuple(
+                     self._jobs.jobs[j].plan.kind for j in req.jobs), result is not PENDING)])
+
+    def _check_completion(self, job: Job, keys: list[Key],
+                          failed_loads: list[LoadFailure]) -> None:
+        records: list[object] = [CompletionRecord(job.plan.job_id, self.config.num_workers,
+                                                  len(job.reporters), 1,
+                                                  frozenset(job.plan.keys), frozenset(keys))]
+        if job.failed and job.plan.kind is JobKind.STORE:
+            records.append(FailureRecord({k: self.manager.lookup(k) for k in keys}))
+        elif job.failed:
+            records.append(FailureRecord({}, frozenset({job.plan.job_id}),
+                                         frozenset(f.job_id for f in failed_loads)))
+        enforce(records)

@@ -1,0 +1,340 @@
+"""The reference CPU-tier manager: what a manager must answer, in the simplest correct code.
+
+This is the model that ``kvcore.CPUOffloadManager`` is compared against, step by step, in
+the refinement tests (TigerBeetle's state checker). It favours being obviously right over
+being fast: plain dicts, one recency list, and recomputation wherever a counter would do.
+
+Semantics (DESIGN.md, "Manager (CPU tier)"; invariant M1):
+
+- Capacity is counted in chunks. A stored key is WRITING, READY, or READY and pinned by n
+  loads. ``lookup`` answers HIT (READY, pinned or not), PENDING (WRITING) or MISS (absent).
+- Recency covers the READY keys only, least recent first. A key enters at the most recent
+  end when its write completes; ``touch`` moves keys to that end, iterating in reverse so
+  the first key ends most recent (a prefix's early chunks outlive its later ones). Pins do
+  not move a key, so a chunk that was loaded keeps its place (upstream's ``[2, 3, 4]``
+  eviction after a load depends on this).
+- ``prepare_store`` stores the keys that are absent. When more slots are needed than are
+  free it evicts exactly that many evictable keys (READY, unpinned, not among the call's
+  own keys), least recent first, or returns None and changes nothing (M1: atomic).
+- Slots: fresh ids in increasing order first (a high-water mark), then recycled ids from a
+  LIFO free list. The exact ids are observable, so the order is part of the spec.
+- Events: one removed event per evicting ``prepare_store``, one stored event per
+  successful ``complete_store`` that made keys READY. A failed store emits nothing: its
+  keys were never announced, so there is nothing to withdraw (a failed transfer never
+  becomes a hit, X1). ``reset`` drops pending events and emits none.
+- Cumulative counters (evictions, stores skipped, keys stored) survive ``reset``: they
+  are metrics, and a metric counter never goes backwards.
+
+The value types and the manager's operating errors live here, beside the model, because
+``spec`` imports nothing from ``kvcore`` and both managers must return and raise the same
+things for the refinement tests to compare them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcore.spec.errors import ConfigError
+from kvcore.spec.types import Key, Status
+
+# A limit on everything: a capacity beyond this is a units mistake (bytes for chunks).
+MAX_CAPACITY_CHUNKS = 1 << 40
+
+# -- values -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrepareStoreResult:
+    """What ``prepare_store`` decided: the keys to write, where, and what made room.
+
+    ``keys_to_store`` are the call's keys that were absent, deduplicated, in call order;
+    ``slots[i]`` is the slot of ``keys_to_store[i]``; ``evicted`` are the keys removed to
+    make room, in eviction order. All three are empty when every key was already present.
+    """
+
+    keys_to_store: tuple[Key, ...]
+    slots: tuple[int, ...]
+    evicted: tuple[Key, ...]
+
+
+@dataclass(frozen=True)
+class ManagerEvent:
+    """Keys that became loadable (``removed=False``) or stopped being loadable (True)."""
+
+    keys: tuple[Key, ...]
+    removed: bool
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """A snapshot of the tier: occupancy now, plus cumulative counters.
+
+    ``used == writing + pinned + evictable`` and ``used <= capacity`` always hold.
+    ``evictions`` counts evicted keys, ``stores_skipped_no_room`` counts ``prepare_store``
+    calls that returned None, and ``stored_keys`` counts keys that became READY.
+    """
+
+    capacity: int
+    used: int
+    writing: int
+    pinned: int
+    evictable: int
+    evictions: int
+    stores_skipped_no_room: int
+    stored_keys: int
+
+
+# -- operating errors -------------------------------------------------------------------
+
+
+def short_key(key: object) -> str:
+    """A key for messages: its repr, cut to a readable length, with its size when cut."""
+    text = repr(key)
+    if len(text) <= 40:
+        return text
+    size = f" ({len(key)} bytes)" if isinstance(key, bytes) else ""
+    return text[:36] + "...'" + size
+
+
+class KeyNotReadyError(KeyError):
+    """Raised by ``prepare_load`` for a key that is absent or still being written.
+
+    A load may only read a READY chunk; ``state`` is ``"absent"`` or ``"writing"``. The
+    manager's state is unchanged when it is raised (no key of the call was pinned).
+    """
+
+    def __init__(self, key: Key, state: str) -> None:
+        self.key = key
+        self.state = state
+        hint = ("lookup() must answer HIT before a load" if state == "absent"
+                else "wait for complete_store; lookup() answers PENDING until then")
+        self.message = f"prepare_load: key {short_key(key)} is {state}, not READY; {hint}"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotPinnedError(ValueError):
+    """Raised by ``complete_load`` for a key with no load in flight to complete.
+
+    ``state`` is ``"absent"``, ``"writing"``, ``"ready"`` (pin count 0) or ``"pinned"``;
+    ``pins`` is the key's pin count and ``releases`` how many times the call names it,
+    which is more than ``pins``. The manager's state is unchanged when it is raised.
+    """
+
+    def __init__(self, key: Key, state: str, pins: int, releases: int) -> None:
+        self.key = key
+        self.state = state
+        self.pins = pins
+        self.releases = releases
+        self.message = (f"complete_load: key {short_key(key)} is {state} with pins={pins} "
+                        f"but the call releases {releases}; call complete_load once per "
+                        "prepare_load, with the same keys")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidKeyError(TypeError):
+    """Raised by ``prepare_store`` for a key that is not ``bytes`` (make_key builds keys).
+
+    Checked where keys enter the tier, so a wrong type cannot hide in the contents.
+    """
+
+    def __init__(self, key: object) -> None:
+        self.key = key
+        self.message = (f"prepare_store: key {short_key(key)} is a {type(key).__name__}, "
+                        "not bytes; build keys with kvcore.spec.types.make_key")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_capacity(capacity: object) -> None:
+    """Raise ConfigError(field="capacity") unless ``capacity`` is a positive int in range."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
+                          "size in chunks")
+    if capacity <= 0:
+        raise ConfigError("capacity", f"capacity={capacity} must be positive: the CPU tier "
+                          "needs room for at least one chunk")
+    if capacity > MAX_CAPACITY_CHUNKS:
+        raise ConfigError("capacity", f"capacity={capacity} exceeds {MAX_CAPACITY_CHUNKS} "
+                          "chunks; it counts chunks, not bytes")
+
+
+def check_key_types(keys: Sequence[object]) -> None:
+    """Raise InvalidKeyError for the first key that is not ``bytes``."""
+    for key in keys:
+        if type(key) is not bytes:
+            raise InvalidKeyError(key)
+
+
+# -- the model --------------------------------------------------------------------------
+
+
+class ReferenceManager:
+    """The reference CPU tier with LRU eviction; see the module docstring for the rules.
+
+    ``state`` maps each stored key to ``"writing"`` or ``"ready"``; ``slot`` and ``pins``
+    hold its slot and pin count; ``recency`` lists the READY keys, least recent first.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        check_capacity(capacity)
+        self.capacity = capacity
+        self.state: dict[Key, str] = {}
+        self.slot: dict[Key, int] = {}
+        self.pins: dict[Key, int] = {}
+        self.recency: list[Key] = []
+        self.next_fresh_slot = 0
+        self.free_slots: list[int] = []
+        self.events: list[ManagerEvent] = []
+        self.evictions = 0
+        self.stores_skipped_no_room = 0
+        self.stored_keys = 0
+
+    # -- reads --------------------------------------------------------------------------
+
+    def lookup(self, key: Key) -> Status:
+        """HIT if READY (pinned or not), PENDING if WRITING, MISS if absent. Changes nothing."""
+        if key not in self.state:
+            return Status.MISS
+        return Status.HIT if self.state[key] == "ready" else Status.PENDING
+
+    def state_of(self, key: Key) -> str | None:
+        """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
+        if key not in self.state:
+            return None
+        if self.state[key] == "ready" and self.pins[key] > 0:
+            return "pinned"
+        return self.state[key]
+
+    def slot_of(self, key: Key) -> int | None:
+        return self.slot.get(key)
+
+    def evictable_keys(self, protected: Sequence[Key] = ()) -> list[Key]:
+        """READY, unpinned keys outside ``protected``, least recent first."""
+        return [k for k in self.recency if self.pins[k] == 0 and k not in protected]
+
+    def stats(self) -> ManagerStats:
+        states = [self.state_of(k) for k in self.state]
+        return ManagerStats(
+            capacity=self.capacity,
+            used=len(states),
+            writing=states.count("writing"),
+            pinned=states.count("pinned"),
+            evictable=states.count("ready"),
+            evictions=self.evictions,
+            stores_skipped_no_room=self.stores_skipped_no_room,
+            stored_keys=self.stored_keys,
+        )
+
+    # -- recency and loads --------------------------------------------------------------
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Make READY keys most recent, ``keys[0]`` last so it ends the most recent."""
+        for key in reversed(keys):
+            if key in self.recency:
+                self.recency.remove(key)
+                self.recency.append(key)
+
+    def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
+        """Pin every key (once per occurrence) and return their slots in key order."""
+        for key in keys:
+            if self.state.get(key) != "ready":
+                raise KeyNotReadyError(key, "writing" if key in self.state else "absent")
+        for key in keys:
+            self.pins[key] += 1
+        return tuple(self.slot[k] for k in keys)
+
+    def complete_load(self, keys: Sequence[Key]) -> None:
+        """Release one pin per occurrence of each key."""
+        for key in keys:
+            pins, releases = self.pins.get(key, 0), list(keys).count(key)
+            if self.state.get(key) != "ready" or pins < releases:
+                raise NotPinnedError(key, self.state_of(key) or "absent", pins, releases)
+        for key in keys:
+            self.pins[key] -= 1
+
+    # -- stores -------------------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[Key],
+                      victims: Sequence[Key] | None = None) -> PrepareStoreResult | None:
+        """Reserve slots for the absent keys, evicting least recent keys if needed.
+
+        ``victims`` replaces the LRU choice with another policy's (ARC's), so the tests
+        can check that policy against this model: it must name exactly the number of keys
+        needed, all evictable and outside the call, or ValueError is raised.
+        """
+        check_key_types(keys)
+        to_store: list[Key] = []
+        for key in keys:
+            if key not in self.state and key not in to_store:
+                to_store.append(key)
+        if not to_store:
+            return PrepareStoreResult((), (), ())
+        need = len(to_store) - (self.capacity - len(self.state))
+        allowed = self.evictable_keys(protected=keys) if need > 0 else []
+        if need > len(allowed):
+            self.stores_skipped_no_room += 1
+            return None
+        chosen = allowed[:max(need, 0)] if victims is None else list(victims)
+        if len(chosen) != max(need, 0) or len(set(chosen)) != len(chosen) \
+                or not set(chosen) <= set(allowed):
+            raise ValueError(f"victims {chosen!r} are not {need} distinct evictable keys")
+        for key in chosen:
+            self.free_slots.append(self.slot[key])
+            self._forget(key)
+        if chosen:
+            self.events.append(ManagerEvent(tuple(chosen), removed=True))
+            self.evictions += len(chosen)
+        slots = tuple(self._allocate(key) for key in to_store)
+        return PrepareStoreResult(tuple(to_store), slots, tuple(chosen))
+
+    def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
+        """Finish a store: WRITING keys become READY, or are dropped if it failed.
+
+        READY and absent keys are left alone: a key may have been present before the
+        store was prepared, and the scheduler, not the tier, accounts for jobs (J2).
+        """
+        done = [k for k in dict.fromkeys(keys) if self.state.get(k) == "writing"]
+        for key in done:
+            if success:
+                self.state[key] = "ready"
+                self.recency.append(key)
+            else:
+                self.free_slots.append(self.slot[key])
+                self._forget(key)
+        if success and done:
+            self.events.append(ManagerEvent(tuple(done), removed=False))
+            self.stored_keys += len(done)
+
+    def take_events(self) -> list[ManagerEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def reset(self) -> None:
+        """Forget every key and slot; cumulative counters stay (they are metrics)."""
+        self.state, self.slot, self.pins, self.recency = {}, {}, {}, []
+        self.next_fresh_slot, self.free_slots, self.events = 0, [], []
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _allocate(self, key: Key) -> int:
+        if self.next_fresh_slot < self.capacity:
+            slot = self.next_fresh_slot
+            self.next_fresh_slot += 1
+        else:
+            slot = self.free_slots.pop()
+        self.state[key], self.slot[key], self.pins[key] = "writing", slot, 0
+        return slot
+
+    def _forget(self, key: Key) -> None:
+        del self.state[key], self.slot[key], self.pins[key]
+        if key in self.recency:
+            self.recency.remove(key)
