@@ -89,7 +89,8 @@ def group_supports(
     lo, hi = rng
     if hi > len(statuses):
         return False
-    for status in statuses[lo:hi]:
+    for idx in range(lo, hi):
+        status = statuses[idx]
         effective = pending_as if status is Status.PENDING else status
         if effective is not Status.HIT:
             return False

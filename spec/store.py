@@ -9,7 +9,8 @@ a held-back chunk is offered once the frontier moves on (E2: no holes).
 
 A candidate is skipped, not offered, when its last GPU block is null (window/Mamba padding
 or a stale block the engine re-allocated) or, for SLIDING groups with an alignment period
-``a``, when it is not among the last ``W + e`` chunks of its segment: no lookup can read it.
+``a``, when no lookup can read it: only the W + e chunks around each segment end are kept
+(``chunk_reachable``).
 """
 
 from __future__ import annotations
@@ -63,14 +64,22 @@ def store_end(cfg: OffloadConfig, group: int, frontier: int, storable: int) -> i
 
 
 def chunk_reachable(cfg: OffloadConfig, group: int, chunk: int) -> bool:
-    """False for a SLIDING chunk no lookup can read (outside the last W + e of its segment)."""
+    """False for a SLIDING chunk no lookup can read.
+
+    Lookups end on segment ends (multiples of ``a`` chunks), where a group reads the last
+    W chunks of the segment and, if it is a draft group, the first chunk of the next one:
+    W + e chunks per segment, shifted by e. (Keeping the segment's last W + 1 instead,
+    as upstream's fix for #53951 does, stores a chunk no lookup reads and never the extra
+    chunk a draft lookup needs, so a draft window group would never be served.)
+    """
     a = cfg.alignment_chunks(group)
     if a is None:
         return True
     g = cfg.groups[group]
     window = g.window_chunks
     assert_int(window)
-    return chunk % a >= a - (window + g.extra_chunks)  # type: ignore[operator]
+    e = g.extra_chunks
+    return (chunk - e) % a >= a - (window + e)  # type: ignore[operator]
 
 
 def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, storable: int,

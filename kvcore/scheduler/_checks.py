@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 
 from kvcore.spec.errors import InvariantViolation
-from kvcore.spec.invariants import check
+from kvcore.spec.invariants import PREDICATE_IDS, PREDICATES, check
 
 
 def checks_enabled(flag: bool | None) -> bool:
@@ -21,8 +21,18 @@ def checks_enabled(flag: bool | None) -> bool:
     return os.environ.get("KVCORE_CHECK", "") == "1"
 
 
-def enforce(records: Sequence[object]) -> None:
+def tally(records: Sequence[object], counts: dict[str, int]) -> None:
+    """Count, per invariant id, the predicate evaluations ``records`` will get."""
+    for record in records:
+        for predicate in PREDICATES.get(type(record), ()):
+            key = PREDICATE_IDS[predicate.__name__]
+            counts[key] = counts.get(key, 0) + 1
+
+
+def enforce(records: Sequence[object], counts: dict[str, int] | None = None) -> None:
     """Raise ``InvariantViolation`` listing every broken id among ``records``."""
+    if counts is not None:
+        tally(records, counts)
     violations = check(records)
     if violations:
         raise InvariantViolation(violations)

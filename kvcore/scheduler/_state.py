@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcore.spec.plans import JobKind, TransferPlan
-from kvcore.spec.types import GroupKind, Key, OffloadConfig, make_key
+from kvcore.spec.types import Key, OffloadConfig, make_key
 
 
 @dataclass
@@ -112,6 +112,3 @@ class JobTable:
         self.loading.clear()
         self.stale_below = self.next_id
 
-
-def is_window_group(cfg: OffloadConfig, group: int) -> bool:
-    return cfg.groups[group].kind is GroupKind.SLIDING

@@ -70,7 +70,7 @@ def build_store(cfg: OffloadConfig, req: RequestState, draft: StoreDraft, job_id
             pos.extend(range(first, first + len(chunk_ids)))
             slots.append(accepted[key])
             keys.append(key)
-        target = window if cfg.groups[group].kind is GroupKind.SLIDING else other
+        target = other if cfg.groups[group].kind is GroupKind.FULL else window
         target.update(ids)
         groups.append(GroupTransfer(tuple(ids), pos[0] if pos else 0, tuple(slots),
                                     tuple(keys)))

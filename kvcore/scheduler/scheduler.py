@@ -78,6 +78,11 @@ class OffloadScheduler:
         self._window_index: dict[int, list[tuple[RequestState, int, int]]] = {}
         self._stats = SchedulerStats()
         self._pop_rule = pop_rule  # only the bug zoo sets this
+        # Predicate evaluations per invariant id, for reports (``kvcore check``).
+        self.checked: dict[str, int] = {}
+
+    def _enforce(self, records: list[object]) -> None:
+        enforce(records, self.checked)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -219,7 +224,7 @@ class OffloadScheduler:
         self._stats.chunks_loaded += len(flat)
         if self.check:
             ranges = tuple((gl.first_chunk, gl.end_chunk) for gl in loads)
-            enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
+            self._enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
                      PlanRecord(self.config, plan)])
         return plan
 
@@ -240,7 +245,7 @@ class OffloadScheduler:
             flush |= req.jobs
             req.tables = [[] for _ in self.config.groups]
         if self.check:
-            enforce([FenceRecord(step.allocated_ids, self._jobs.fenced_sources(),
+            self._enforce([FenceRecord(step.allocated_ids, self._jobs.fenced_sources(),
                                  frozenset(flush))])
         stores: list[TransferPlan] = []
         for sr in step.requests:
@@ -262,7 +267,7 @@ class OffloadScheduler:
             req.tables = [[] for _ in self.config.groups]
         for group, ids in enumerate(sr.new_block_ids):
             table = req.tables[group]
-            if self.config.groups[group].kind is GroupKind.SLIDING:
+            if self.config.groups[group].kind is not GroupKind.FULL:
                 for offset, gpu_id in enumerate(ids):
                     if gpu_id:
                         self._window_index.setdefault(gpu_id, []).append(
@@ -270,8 +275,9 @@ class OffloadScheduler:
             table.extend(ids)
 
     def _zero_stale_window_blocks(self, allocated: frozenset[int]) -> None:
-        """A window block the engine freed and handed out again must not be stored under
-        its old key: zero its old position (only positions the cursor has not passed)."""
+        """A window or Mamba block the engine freed and handed out again must not be stored
+        under its old key: zero its old position (only positions the cursor has not passed).
+        """
         for gpu_id in allocated:
             entries = self._window_index.pop(gpu_id, None)
             for req, group, pos in entries or ():
@@ -289,18 +295,18 @@ class OffloadScheduler:
         if not draft.keys:
             self._move_cursors(req, draft)
             if self.check:
-                enforce(_store.store_records(self.config, draft, None, True))
+                self._enforce(_store.store_records(self.config, draft, None, True))
             return None
         out = self.manager.prepare_store(list(draft.keys))
         if out is None:
             self._stats.store_skipped_no_room += 1
             if self.check:
-                enforce(_store.store_records(self.config, draft, None, False))
+                self._enforce(_store.store_records(self.config, draft, None, False))
             return None
         self._move_cursors(req, draft)
         if not out.keys_to_store:
             if self.check:
-                enforce(_store.store_records(self.config, draft, None, True))
+                self._enforce(_store.store_records(self.config, draft, None, True))
             return None
         accepted = dict(zip(out.keys_to_store, out.slots, strict=True))
         built = _store.build_store(self.config, req, draft, self._jobs.new_id(), accepted)
@@ -312,7 +318,7 @@ class OffloadScheduler:
         self._stats.stores += 1
         self._stats.chunks_stored += len(out.keys_to_store)
         if self.check:
-            enforce(_store.store_records(self.config, draft, built, True))
+            self._enforce(_store.store_records(self.config, draft, built, True))
         return built.plan
 
     @staticmethod
@@ -452,7 +458,7 @@ class OffloadScheduler:
 
     def _check_keys(self, req: RequestState) -> None:
         triples = tuple((key_group(k), key_hash(k), k) for keys in req.keys for k in keys)
-        enforce([KeyRecord(triples)])
+        self._enforce([KeyRecord(triples)])
 
     def _check_lookup(self, req: RequestState, computed: int, num_tokens: int,
                       result: LookupResult, conv: Convergence) -> None:
@@ -461,7 +467,7 @@ class OffloadScheduler:
                         for keys in req.keys)
         draft = tuple(g.is_draft for g in self.config.groups)
         final = computed + conv.hit if conv.hit else 0
-        enforce([LookupRecord(self.config, computed, num_tokens, hits, loading, result),
+        self._enforce([LookupRecord(self.config, computed, num_tokens, hits, loading, result),
                  LookupTraceRecord(draft, conv.trace, final),
                  JobTableRecord(req.request_id, tuple(
                      self._jobs.jobs[j].plan.kind for j in req.jobs), result is not PENDING)])
@@ -476,4 +482,4 @@ class OffloadScheduler:
         elif job.failed:
             records.append(FailureRecord({}, frozenset({job.plan.job_id}),
                                          frozenset(f.job_id for f in failed_loads)))
-        enforce(records)
+        self._enforce(records)

@@ -1,0 +1,466 @@
+"""A deterministic engine: the worked example of wiring kvcore into an inference engine.
+
+Per step, in the order a real engine runs them: deliver the workers' (late) reports, free
+blocks that left a window, schedule running requests (decode first, then chunked
+prefill) and admit waiting ones (lookup, allocate, ``after_alloc``), ``build_step``,
+wait for the flushed jobs, start loads, run the "forward pass" (write KV), start stores,
+sample tokens. Every GPU block's bytes are a function of its prefix, so a wrong load is
+caught when it completes; with checks on, every hook also checks the spec's invariants.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kvcore.spec.plans import JobKind, TransferPlan, sub_block_position
+from kvcore.spec.types import GroupKind, OffloadConfig, cdiv
+
+from kvcore.manager import CPUOffloadManager
+from kvcore.scheduler import (
+    OffloadScheduler,
+    RequestInfo,
+    ScheduledRequest,
+    StepInput,
+    WorkerReport,
+)
+from kvcore.sim import _kv
+from kvcore.sim._workload import PromptSource, SimOptions
+from kvcore.transfer import TransferEngine
+
+
+class IntegrityError(AssertionError):
+    """A loaded block does not hold the bytes of the prefix it was loaded for."""
+
+
+@dataclass
+class SimRequest:
+    """The engine's view of one request."""
+
+    index: int
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    hashes: list[bytes] = field(default_factory=list)
+    state: str = "waiting"
+    computed: int = 0
+    tables: list[list[int]] = field(default_factory=list)
+    final_upto: list[int] = field(default_factory=list)
+    freed_upto: list[int] = field(default_factory=list)
+    load_boundary: int = 0
+    abort_pending: bool = False
+
+
+@dataclass
+class SimCounters:
+    steps: int = 0
+    finished: int = 0
+    aborted: int = 0
+    preemptions: int = 0
+    resets: int = 0
+    prompt_tokens: int = 0
+    loaded_tokens: int = 0
+    failed_loads: int = 0
+    failed_stores: int = 0
+    loads_verified: int = 0
+    blocks_verified: int = 0
+
+
+class Simulator:
+    """Runs one seeded workload through the real scheduler, manager and transfer engine."""
+
+    def __init__(self, config: OffloadConfig, options: SimOptions, *,
+                 check: bool = True, device: str = "cpu",
+                 scheduler_factory: Any = None) -> None:
+        self.options = opts = options.drawn()
+        overrides: dict[str, Any] = {"num_workers": opts.num_workers}
+        if opts.num_gpu_blocks is not None:
+            overrides["num_gpu_blocks"] = opts.num_gpu_blocks
+        if opts.num_cpu_blocks is not None:
+            overrides["num_cpu_blocks"] = opts.num_cpu_blocks
+        from dataclasses import replace
+        self.config = cfg = replace(config, **overrides)
+        self.rng = random.Random(f"sim:{opts.seed}")
+        self.manager = CPUOffloadManager(cfg.num_cpu_blocks, check=check)
+        factory = scheduler_factory or OffloadScheduler
+        self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
+        self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,
+                                 device=device) for _ in range(opts.layers)]
+                    for _ in cfg.groups]
+        self.transfer = TransferEngine(cfg, self.gpu)
+        self.free_ids: list[int] = list(range(cfg.num_gpu_blocks - 1, 0, -1))
+        self.prompts = PromptSource(self.rng, opts.context_tokens, opts.shared_prefix_rate)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.reqs: dict[str, SimRequest] = {}
+        self.reports: list[tuple[int, WorkerReport]] = []
+        self.load_plans: dict[int, TransferPlan] = {}
+        self.counters = SimCounters()
+        self.created = 0
+        self.step_no = 0
+        self.spec_tokens = opts.spec_tokens if cfg.speculative else 0
+        for _ in range(min(opts.requests, opts.max_running + 2)):
+            self._new_request(self.prompts.prompt())
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _new_request(self, tokens: list[int]) -> None:
+        idx = self.created
+        self.created += 1
+        req = SimRequest(idx, f"r{idx}", list(tokens), len(tokens),
+                         self.rng.randrange(1, self.options.max_new_tokens + 1))
+        self._reset_tables(req)
+        hbt = self.config.hash_block_tokens
+        req.hashes = _kv.chain_hashes(req.tokens, 0, b"", hbt, len(req.tokens) // hbt)
+        self.scheduler.add_request(RequestInfo(req.request_id, req.prompt_len,
+                                               tuple(req.hashes)))
+        self.reqs[req.request_id] = req
+        self.waiting.append(req)
+        self.counters.prompt_tokens += req.prompt_len
+
+    def _reset_tables(self, req: SimRequest) -> None:
+        n = len(self.config.groups)
+        req.tables = [[] for _ in range(n)]
+        req.final_upto = [0] * n
+        req.freed_upto = [0] * n
+
+    def _floor(self, group: int, resume: int) -> int:
+        """First block position a group still needs when computation resumes at ``resume``."""
+        g = self.config.groups[group]
+        if g.kind is GroupKind.SLIDING:
+            return max(0, (resume - g.reach_tokens) // g.tokens_per_block)
+        if g.kind is GroupKind.MAMBA:
+            return max(0, resume // g.tokens_per_block - 1)
+        return 0
+
+    def _free_blocks(self, req: SimRequest, group: int, upto: int) -> None:
+        table = req.tables[group]
+        for pos in range(req.freed_upto[group], min(upto, len(table))):
+            if table[pos]:
+                self.free_ids.append(table[pos])
+                table[pos] = 0
+        req.freed_upto[group] = max(req.freed_upto[group], upto)
+
+    def _release(self, req: SimRequest) -> None:
+        for group in range(len(self.config.groups)):
+            self._free_blocks(req, group, len(req.tables[group]))
+        self._reset_tables(req)
+
+    def _allocate(self, req: SimRequest, upto_tokens: int, resume: int,
+                  allocated: set[int]) -> list[tuple[int, ...]] | None:
+        """Extend every table to cover ``upto_tokens``; None (nothing taken) if the pool is dry."""
+        plan: list[tuple[int, int]] = []
+        need = 0
+        for group, g in enumerate(self.config.groups):
+            start, end = len(req.tables[group]), cdiv(upto_tokens, g.tokens_per_block)
+            floor = self._floor(group, resume)
+            plan.append((start, end))
+            need += sum(1 for pos in range(start, end) if pos >= floor)
+        if need > len(self.free_ids):
+            return None
+        new: list[tuple[int, ...]] = []
+        for group, (start, end) in enumerate(plan):
+            floor = self._floor(group, resume)
+            ids = tuple(self.free_ids.pop() if pos >= floor else 0 for pos in range(start, end))
+            allocated.update(i for i in ids if i)
+            req.tables[group].extend(ids)
+            req.freed_upto[group] = max(req.freed_upto[group], min(floor, end))
+            new.append(ids)
+        return new
+
+    # -- the step ------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return not (self.waiting or self.running or self.reports or self.load_plans
+                    or self.scheduler.has_pending_work())
+
+    def run(self) -> SimCounters:
+        """Step until every request finished and every job settled (bounded)."""
+        while not self.done():
+            if self.step_no >= self.options.max_steps:
+                raise RuntimeError(f"simulation did not settle in {self.options.max_steps} "
+                                   "steps (liveness)")
+            self.step()
+        self.transfer.close()
+        return self.counters
+
+    def step(self) -> None:
+        self.step_no += 1
+        self.counters.steps += 1
+        self._deliver_reports()
+        self._maybe_reset()
+        allocated: set[int] = set()
+        scheduled: list[tuple[SimRequest, int, tuple[tuple[int, ...], ...]]] = []
+        preempted: list[str] = []
+        self._free_out_of_window()
+        self._schedule_running(scheduled, preempted, allocated)
+        self._admit(scheduled, allocated)
+        step = StepInput(tuple(ScheduledRequest(r.request_id, n, r.computed, len(r.tokens),
+                                                ids) for r, n, ids in scheduled),
+                         tuple(preempted), frozenset(allocated))
+        plan = self.scheduler.build_step(step)
+        self.transfer.wait(plan.flush)
+        for load in plan.loads:
+            self.transfer.submit(load)
+        for r, n, _ in scheduled:
+            self._forward(r, n)
+        for store in plan.stores:
+            self.transfer.submit(store)
+        for r, n, _ in scheduled:
+            self._sample(r, n)
+        self._collect()
+        self._maybe_abort()
+
+    def _free_out_of_window(self) -> None:
+        for req in self.running:
+            for group, g in enumerate(self.config.groups):
+                if g.kind is not GroupKind.FULL:
+                    self._free_blocks(req, group, self._floor(group, req.computed))
+
+    def _schedule_running(self, scheduled: list[Any], preempted: list[str],
+                          allocated: set[int]) -> None:
+        budget = self.options.prefill_budget
+        for req in list(self.running):
+            if req.state != "running":
+                continue
+            remaining = len(req.tokens) - req.computed
+            if remaining > 1:
+                n = self._prefill_size(remaining, budget)
+                if n <= 0:
+                    continue
+                budget -= n
+                upto = req.computed + n
+            else:
+                n = 1 + self.spec_tokens
+                upto = req.computed + n
+            ids = self._allocate(req, upto, req.computed, allocated)
+            while ids is None and self._preempt_one(req, preempted):
+                ids = self._allocate(req, upto, req.computed, allocated)
+            if ids is None:
+                self._preempt(req, preempted)
+                continue
+            scheduled.append((req, n, tuple(ids)))
+
+    def _prefill_size(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        align = self.config.mamba_align_tokens
+        if align is not None and n < remaining:
+            n -= n % align
+        return n
+
+    def _preempt_one(self, keep: SimRequest, preempted: list[str]) -> bool:
+        for victim in reversed(self.running):
+            if victim is not keep and victim.state == "running" \
+                    and victim.request_id not in preempted:
+                self._preempt(victim, preempted)
+                return True
+        return False
+
+    def _preempt(self, req: SimRequest, preempted: list[str]) -> None:
+        self.counters.preemptions += 1
+        preempted.append(req.request_id)
+        self._release(req)
+        req.computed = 0
+        req.state = "waiting"
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def _admit(self, scheduled: list[Any], allocated: set[int]) -> None:
+        for req in list(self.waiting):
+            if len(self.running) >= self.options.max_running:
+                return
+            hit = self.scheduler.lookup(req.request_id, 0, len(req.tokens))
+            if not isinstance(hit, int):
+                continue
+            first = self._prefill_size(len(req.tokens), self.options.prefill_budget)
+            ids = self._allocate(req, hit if hit else max(first, 1), hit, allocated)
+            if ids is None:
+                return
+            self.waiting.remove(req)
+            self.running.append(req)
+            plan = self.scheduler.after_alloc(req.request_id, req.tables,
+                                              [0] * len(self.config.groups), 0, hit)
+            if plan is not None:
+                req.state = "loading"
+                req.load_boundary = hit
+                self.load_plans[plan.job_id] = plan
+                scheduled.append((req, 0, tuple(ids)))
+                continue
+            req.state = "running"
+            scheduled.append((req, first, tuple(ids)))
+
+    # -- the forward pass and sampling ------------------------------------------------------
+
+    def _forward(self, req: SimRequest, n: int) -> None:
+        """Write KV for the step: final bytes for finished blocks, junk for the rest.
+
+        A draft group's chunk at the write frontier is rewritten by the drafter every
+        step, so it holds junk until the frontier has moved a whole chunk past it.
+        """
+        if n == 0:
+            return
+        frontier = min(req.computed + n, len(req.tokens))
+        written = req.computed + n
+        hbt = self.config.hash_block_tokens
+        for group, g in enumerate(self.config.groups):
+            tpb = g.tokens_per_block
+            final_end = frontier // tpb
+            if g.is_draft:
+                final_end = min(final_end, max(frontier // g.tokens_per_chunk - 1, 0)
+                                * g.blocks_per_chunk)
+            table = req.tables[group]
+            for pos in range(req.final_upto[group], final_end):
+                if table[pos]:
+                    prefix = req.hashes[(pos + 1) * tpb // hbt - 1]
+                    for layer, t in enumerate(self.gpu[group]):
+                        t[table[pos]].fill_(_kv.final_value(prefix, group, layer))
+            req.final_upto[group] = max(req.final_upto[group], final_end)
+            junk = _kv.junk_value(self.step_no, req.index, group)
+            for pos in range(final_end, min(cdiv(written, tpb), len(table))):
+                if table[pos]:
+                    for t in self.gpu[group]:
+                        t[table[pos]].fill_(junk)
+
+    def _sample(self, req: SimRequest, n: int) -> None:
+        if n == 0 or req.state != "running":
+            return
+        if req.computed + n < len(req.tokens):
+            req.computed += n
+            return
+        decoding = len(req.tokens) - req.computed == 1 and n > 1
+        accepted = sum(1 for _ in range(n - 1) if self.rng.random() < self.options.accept_rate) \
+            if decoding else 0
+        new = self.prompts.tokens(1 + accepted)
+        req.computed = len(req.tokens) + accepted
+        req.tokens.extend(new)
+        hbt = self.config.hash_block_tokens
+        have = len(req.hashes)
+        more = len(req.tokens) // hbt - have
+        if more > 0:
+            prev = req.hashes[-1] if req.hashes else b""
+            fresh = _kv.chain_hashes(req.tokens, have, prev, hbt, more)
+            req.hashes.extend(fresh)
+            self.scheduler.add_hashes(req.request_id, fresh)
+        if len(req.tokens) - req.prompt_len >= req.max_new:
+            self._finish(req)
+
+    def _finish(self, req: SimRequest, aborted: bool = False) -> None:
+        self.scheduler.request_finished(req.request_id)
+        self._release(req)
+        req.state = "done"
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if aborted:
+            self.counters.aborted += 1
+        else:
+            self.counters.finished += 1
+        if self.created < self.options.requests:
+            if not aborted and self.rng.random() < self.options.follow_up_rate:
+                self._new_request(req.tokens + self.prompts.tokens(self.rng.randrange(1, 48)))
+            else:
+                self._new_request(self.prompts.prompt())
+
+    # -- workers ----------------------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Turn finished transfers into per-worker reports, late, shuffled, sometimes failed."""
+        opts = self.options
+        workers = self.config.num_workers
+        for result in self.transfer.poll():
+            bad_worker = self.rng.randrange(workers) if (
+                not result.success or self.rng.random() < (opts.fail_rate or 0.0)) else -1
+            for worker in range(workers):
+                delay = 1
+                while self.rng.random() < (opts.delay_rate or 0.0) and delay < 6:
+                    delay += 1
+                report = WorkerReport(worker, result.job_id, worker != bad_worker,
+                                      result.bytes, result.seconds)
+                self.reports.append((self.step_no + delay, report))
+        self.rng.shuffle(self.reports)
+
+    def _deliver_reports(self) -> None:
+        due = [r for when, r in self.reports if when <= self.step_no]
+        self.reports = [(w, r) for w, r in self.reports if w > self.step_no]
+        if not due:
+            return
+        out = self.scheduler.worker_output(due)
+        for request_id in out.finished_loads:
+            self._load_done(request_id, ok=True)
+        for failure in out.failed_loads:
+            self.counters.failed_loads += 1
+            self._load_done(failure.request_id, ok=False)
+        self.counters.failed_stores += len(out.failed_stores)
+        for job_id in out.completed:
+            self.load_plans.pop(job_id, None)
+
+    def _load_done(self, request_id: str, ok: bool) -> None:
+        req = self.reqs[request_id]
+        plan = next(p for p in self.load_plans.values() if p.request_id == request_id)
+        self.load_plans.pop(plan.job_id)
+        if ok:
+            self.verify_load(req, plan)
+            self.counters.loaded_tokens += req.load_boundary
+            req.computed = min(req.load_boundary, len(req.tokens) - 1)
+            for group, g in enumerate(self.config.groups):
+                req.final_upto[group] = req.computed // g.tokens_per_block
+        else:
+            # A failed load is recomputed from scratch: its blocks are rewritten as the
+            # prefill runs again, never read as if loaded.
+            req.computed = 0
+            self._release(req)
+            self._allocate(req, 0, 0, set())
+        req.state = "running"
+        if req.abort_pending:
+            self._finish(req, aborted=True)
+
+    def verify_load(self, req: SimRequest, plan: TransferPlan) -> None:
+        """Every loaded block holds exactly the bytes of the prefix it stands for."""
+        hbt = self.config.hash_block_tokens
+        for group, gt in enumerate(plan.groups):
+            g = self.config.groups[group]
+            for i, gpu_id in enumerate(gt.gpu_block_ids):
+                pos = gt.block_index + i
+                prefix = req.hashes[(pos + 1) * g.tokens_per_block // hbt - 1]
+                for layer, t in enumerate(self.gpu[group]):
+                    want = _kv.final_value(prefix, group, layer)
+                    if not bool((t[gpu_id] == want).all()):
+                        chunk, sub = sub_block_position(i, gt.block_index, g.blocks_per_chunk)
+                        raise IntegrityError(
+                            f"request {req.request_id} group {group} layer {layer}: GPU block "
+                            f"{gpu_id} (position {pos}, chunk slot {gt.cpu_slots[chunk]} "
+                            f"sub-block {sub}) holds {int(t[gpu_id][0])}, expected {want}")
+                self.counters.blocks_verified += 1
+        self.counters.loads_verified += 1
+
+    # -- faults -----------------------------------------------------------------------------
+
+    def _maybe_abort(self) -> None:
+        rate = self.options.abort_rate or 0.0
+        for req in list(self.running) + list(self.waiting):
+            if self.rng.random() < rate:
+                if req.state == "loading":
+                    req.abort_pending = True
+                else:
+                    self._finish(req, aborted=True)
+
+    def _maybe_reset(self) -> None:
+        if self.rng.random() >= (self.options.reset_rate or 0.0):
+            return
+        self.counters.resets += 1
+        flush = self.scheduler.reset()
+        self.transfer.wait(flush)
+        for plan in list(self.load_plans.values()):
+            # The reset dropped the load job; its bytes did land (we waited), so the
+            # request continues as if the load completed.
+            self._load_done(plan.request_id, ok=True)
+        self.load_plans.clear()
+
+    def counters_of(self, kind: JobKind) -> int:
+        stats = self.scheduler.stats()
+        return stats.loads if kind is JobKind.LOAD else stats.stores

@@ -1,0 +1,75 @@
+"""Simulator options and request generation: one seed drives everything.
+
+Fault rates are drawn per seed (unless given), as the VOPR does, so a fleet of seeds
+covers calm runs and stormy ones.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Everything a run depends on besides the layout. ``None`` rates are drawn per seed."""
+
+    seed: int = 0
+    requests: int = 8
+    context_tokens: int = 512
+    max_new_tokens: int = 24
+    prefill_budget: int = 256
+    max_running: int = 4
+    spec_tokens: int = 2
+    accept_rate: float = 0.7
+    shared_prefix_rate: float = 0.6
+    follow_up_rate: float = 0.3
+    fail_rate: float | None = None
+    delay_rate: float | None = None
+    abort_rate: float | None = None
+    reset_rate: float | None = None
+    num_workers: int | None = None
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    layers: int = 2
+    row_elems: int = 4
+    max_steps: int = 20_000
+
+    def drawn(self) -> SimOptions:
+        """A copy with every unset rate drawn from the seed (printed first by the CLI)."""
+        rng = random.Random(f"options:{self.seed}")
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        defaults = {"fail_rate": rng.choice([0.0, 0.02, 0.1]),
+                    "delay_rate": rng.choice([0.0, 0.2, 0.5]),
+                    "abort_rate": rng.choice([0.0, 0.02]),
+                    "reset_rate": rng.choice([0.0, 0.0, 0.01]),
+                    "num_workers": rng.choice([1, 2, 4])}
+        for name, value in defaults.items():
+            if values[name] is None:
+                values[name] = value
+        return SimOptions(**values)
+
+
+@dataclass
+class PromptSource:
+    """Prompts with shared prefixes: a few system prompts, then per-request text."""
+
+    rng: random.Random
+    context_tokens: int
+    shared_prefix_rate: float
+    systems: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for _ in range(3):
+            n = max(1, int(self.context_tokens * self.rng.uniform(0.3, 0.8)))
+            self.systems.append(self.tokens(n))
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(1, 50_000) for _ in range(n)]
+
+    def prompt(self) -> list[int]:
+        total = max(2, int(self.context_tokens * self.rng.uniform(0.7, 1.0)))
+        if self.rng.random() < self.shared_prefix_rate:
+            system = self.rng.choice(self.systems)[:total]
+            return system + self.tokens(total - len(system) + self.rng.randrange(1, 32))
+        return self.tokens(total)
