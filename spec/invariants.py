@@ -15,7 +15,7 @@ from typing import Any
 
 from kvcore.spec.lookup import HitMap, needed_chunks, served_chunks, spec_hit
 from kvcore.spec.plans import JobKind, TransferPlan, chunks_spanned
-from kvcore.spec.store import Skip
+from kvcore.spec.store import Skip, chunk_reachable
 from kvcore.spec.types import PENDING, Key, LookupResult, OffloadConfig, Status, cdiv
 
 
@@ -47,13 +47,18 @@ class StoreOfferRecord:
 
 @dataclass(frozen=True)
 class CursorMoveRecord:
-    """One group's store cursor before and after a step, and what it passed (E2)."""
+    """One group's store cursor before and after a step, and what it passed (E2).
+
+    With ``config`` set, a chunk skipped as UNREACHABLE is checked against the spec's
+    keep rule, so a store rule that drops readable chunks is a hole too.
+    """
 
     group: int
     old: int
     new: int
     offered: frozenset[int]
     skipped: dict[int, Skip]
+    config: OffloadConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,13 @@ def e2_cursor_leaves_no_hole(r: CursorMoveRecord) -> list[Violation]:
         out.append(Violation("E2", f"group {r.group}: cursor {r.old} -> {r.new} passed "
                              f"chunks {holes[:8]} that were never offered",
                              {"group": r.group, "holes": holes[:8]}))
+    if r.config is not None:
+        readable = [c for c, why in r.skipped.items()
+                    if why is Skip.UNREACHABLE and chunk_reachable(r.config, r.group, c)]
+        if readable:
+            out.append(Violation("E2", f"group {r.group}: chunks {readable[:8]} skipped as "
+                                 "unreachable, but a lookup can read them",
+                                 {"group": r.group, "chunks": readable[:8]}))
     return out
 
 

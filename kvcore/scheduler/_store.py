@@ -89,7 +89,7 @@ def store_records(cfg: OffloadConfig, draft: StoreDraft, built: BuiltStore | Non
                                         draft.frontier, offer.offered))
         new = offer.new_cursor if moved else offer.old_cursor
         records.append(CursorMoveRecord(group, offer.old_cursor, new,
-                                        frozenset(offer.offered), offer.skipped))
+                                        frozenset(offer.offered), offer.skipped, cfg))
     if built is not None:
         records.append(PlanRecord(cfg, built.plan, built.positions))
     return records

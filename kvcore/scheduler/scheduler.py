@@ -276,15 +276,14 @@ class OffloadScheduler:
 
     def _zero_stale_window_blocks(self, allocated: frozenset[int]) -> None:
         """A window or Mamba block the engine freed and handed out again must not be stored
-        under its old key: zero its old position (only positions the cursor has not passed).
+        under its old key: zero its old position. Positions behind the store cursor are
+        zeroed too, because ``reset`` moves every cursor back to 0.
         """
         for gpu_id in allocated:
             entries = self._window_index.pop(gpu_id, None)
             for req, group, pos in entries or ():
                 table = req.tables[group]
-                bpc = self.config.groups[group].blocks_per_chunk
-                if pos < len(table) and table[pos] == gpu_id and \
-                        pos >= req.cursors[group] * bpc:
+                if pos < len(table) and table[pos] == gpu_id:
                     table[pos] = 0
 
     def _store_step(self, req: RequestState, sr: ScheduledRequest) -> TransferPlan | None:

@@ -3,7 +3,7 @@
 ``Simulator`` is also the worked example of wiring kvcore into an engine (docs/engine.md).
 """
 
-from kvcore.sim._engine import IntegrityError, SimCounters, Simulator, SimRequest
+from kvcore.sim._engine import IntegrityError, SimCounters, SimRequest, Simulator
 from kvcore.sim._report import SimReport, simulate
 from kvcore.sim._workload import SimOptions
 

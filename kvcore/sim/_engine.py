@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvcore.spec.plans import JobKind, TransferPlan, sub_block_position
-from kvcore.spec.types import GroupKind, OffloadConfig, cdiv
 
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import (
@@ -27,8 +25,12 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
+from kvcore.scheduler._checks import enforce
 from kvcore.sim import _kv
 from kvcore.sim._workload import PromptSource, SimOptions
+from kvcore.spec.invariants import FailureRecord
+from kvcore.spec.plans import JobKind, TransferPlan, sub_block_position
+from kvcore.spec.types import GroupKind, OffloadConfig, Status, cdiv
 from kvcore.transfer import TransferEngine
 
 
@@ -103,12 +105,21 @@ class Simulator:
         self.created = 0
         self.step_no = 0
         self.spec_tokens = opts.spec_tokens if cfg.speculative else 0
+        self.store_plans: dict[int, TransferPlan] = {}
+        self.failed_jobs: set[int] = set()
+        self.force_preempt: set[str] = set()
+        self.requeued: list[str] = []
+        # Checks the simulator makes itself, outside the code under test (X1).
+        self.checked: dict[str, int] = {}
+        self.check = check
         for _ in range(min(opts.requests, opts.max_running + 2)):
-            self._new_request(self.prompts.prompt())
+            self.add_request()
 
     # -- requests ------------------------------------------------------------------------
 
-    def _new_request(self, tokens: list[int]) -> None:
+    def add_request(self, tokens: list[int] | None = None) -> str:
+        """A new request (a fresh prompt with a shared prefix unless ``tokens`` given)."""
+        tokens = self.prompts.prompt() if tokens is None else tokens
         idx = self.created
         self.created += 1
         req = SimRequest(idx, f"r{idx}", list(tokens), len(tokens),
@@ -121,6 +132,7 @@ class Simulator:
         self.reqs[req.request_id] = req
         self.waiting.append(req)
         self.counters.prompt_tokens += req.prompt_len
+        return req.request_id
 
     def _reset_tables(self, req: SimRequest) -> None:
         n = len(self.config.groups)
@@ -195,7 +207,8 @@ class Simulator:
         self._maybe_reset()
         allocated: set[int] = set()
         scheduled: list[tuple[SimRequest, int, tuple[tuple[int, ...], ...]]] = []
-        preempted: list[str] = []
+        preempted: list[str] = [r for r in self.requeued if self.reqs[r].state != "done"]
+        self.requeued.clear()
         self._free_out_of_window()
         self._schedule_running(scheduled, preempted, allocated)
         self._admit(scheduled, allocated)
@@ -209,6 +222,7 @@ class Simulator:
         for r, n, _ in scheduled:
             self._forward(r, n)
         for store in plan.stores:
+            self.store_plans[store.job_id] = store
             self.transfer.submit(store)
         for r, n, _ in scheduled:
             self._sample(r, n)
@@ -224,6 +238,10 @@ class Simulator:
     def _schedule_running(self, scheduled: list[Any], preempted: list[str],
                           allocated: set[int]) -> None:
         budget = self.options.prefill_budget
+        for req in list(self.running):
+            if req.request_id in self.force_preempt and req.state == "running":
+                self._preempt(req, preempted)
+        self.force_preempt.clear()
         for req in list(self.running):
             if req.state != "running":
                 continue
@@ -362,9 +380,9 @@ class Simulator:
             self.counters.finished += 1
         if self.created < self.options.requests:
             if not aborted and self.rng.random() < self.options.follow_up_rate:
-                self._new_request(req.tokens + self.prompts.tokens(self.rng.randrange(1, 48)))
+                self.add_request(req.tokens + self.prompts.tokens(self.rng.randrange(1, 48)))
             else:
-                self._new_request(self.prompts.prompt())
+                self.add_request()
 
     # -- workers ----------------------------------------------------------------------------
 
@@ -372,7 +390,10 @@ class Simulator:
         """Turn finished transfers into per-worker reports, late, shuffled, sometimes failed."""
         opts = self.options
         workers = self.config.num_workers
-        for result in self.transfer.poll():
+        # Copies run on the transfer thread; waiting for this step's jobs here keeps the
+        # run deterministic, and report delays below stand in for real asynchrony.
+        self.transfer.wait(list(self.store_plans) + list(self.load_plans))
+        for result in sorted(self.transfer.poll(), key=lambda r: r.job_id):
             bad_worker = self.rng.randrange(workers) if (
                 not result.success or self.rng.random() < (opts.fail_rate or 0.0)) else -1
             for worker in range(workers):
@@ -381,6 +402,8 @@ class Simulator:
                     delay += 1
                 report = WorkerReport(worker, result.job_id, worker != bad_worker,
                                       result.bytes, result.seconds)
+                if worker == bad_worker:
+                    self.failed_jobs.add(result.job_id)
                 self.reports.append((self.step_no + delay, report))
         self.rng.shuffle(self.reports)
 
@@ -396,8 +419,28 @@ class Simulator:
             self.counters.failed_loads += 1
             self._load_done(failure.request_id, ok=False)
         self.counters.failed_stores += len(out.failed_stores)
+        if self.check:
+            self._check_failures(out.completed, {f.job_id for f in out.failed_loads})
         for job_id in out.completed:
             self.load_plans.pop(job_id, None)
+            self.store_plans.pop(job_id, None)
+            self.failed_jobs.discard(job_id)
+
+    def _check_failures(self, completed: tuple[int, ...], reported: set[int]) -> None:
+        """X1, checked by the engine: a job any worker failed never becomes a hit."""
+        failed_loads: set[int] = set()
+        status: dict[bytes, Status] = {}
+        for job_id in completed:
+            if job_id not in self.failed_jobs:
+                continue
+            if job_id in self.store_plans:
+                for key in self.store_plans[job_id].keys:
+                    status[key] = self.manager.lookup(key)
+            else:
+                failed_loads.add(job_id)
+        if status or failed_loads:
+            enforce([FailureRecord(status, frozenset(failed_loads), frozenset(reported))],
+                    self.checked)
 
     def _load_done(self, request_id: str, ok: bool) -> None:
         req = self.reqs[request_id]
@@ -410,11 +453,17 @@ class Simulator:
             for group, g in enumerate(self.config.groups):
                 req.final_upto[group] = req.computed // g.tokens_per_block
         else:
-            # A failed load is recomputed from scratch: its blocks are rewritten as the
-            # prefill runs again, never read as if loaded.
-            req.computed = 0
+            # A failed load is never read as if loaded: the request gives its blocks back
+            # and waits to be admitted again (its next lookup decides anew).
             self._release(req)
-            self._allocate(req, 0, 0, set())
+            req.computed = 0
+            req.state = "waiting"
+            self.running.remove(req)
+            self.waiting.appendleft(req)
+            self.requeued.append(req.request_id)
+            if req.abort_pending:
+                self._finish(req, aborted=True)
+            return
         req.state = "running"
         if req.abort_pending:
             self._finish(req, aborted=True)
@@ -444,14 +493,26 @@ class Simulator:
         rate = self.options.abort_rate or 0.0
         for req in list(self.running) + list(self.waiting):
             if self.rng.random() < rate:
-                if req.state == "loading":
-                    req.abort_pending = True
-                else:
-                    self._finish(req, aborted=True)
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; one still loading is aborted once its load lands."""
+        req = self.reqs[request_id]
+        if req.state == "loading":
+            req.abort_pending = True
+        elif req.state != "done":
+            self._finish(req, aborted=True)
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request at the next step (as memory pressure would)."""
+        self.force_preempt.add(request_id)
 
     def _maybe_reset(self) -> None:
-        if self.rng.random() >= (self.options.reset_rate or 0.0):
-            return
+        if self.rng.random() < (self.options.reset_rate or 0.0):
+            self.reset()
+
+    def reset(self) -> None:
+        """The engine resets its prefix cache: kvcore drops the CPU tier and every job."""
         self.counters.resets += 1
         flush = self.scheduler.reset()
         self.transfer.wait(flush)
@@ -460,6 +521,8 @@ class Simulator:
             # request continues as if the load completed.
             self._load_done(plan.request_id, ok=True)
         self.load_plans.clear()
+        self.store_plans.clear()
+        self.failed_jobs.clear()
 
     def counters_of(self, kind: JobKind) -> int:
         stats = self.scheduler.stats()
