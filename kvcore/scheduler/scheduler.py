@@ -67,8 +67,8 @@ class OffloadScheduler:
     ``check`` turns on runtime invariant checking (default: ``KVCORE_CHECK=1``).
     """
 
-    def __init__(self, config: OffloadConfig, manager: Any, *, check: bool | None = None,
-                 pop_rule: Any = None) -> None:
+    def __init__(self, config: OffloadConfig, manager: Any, *,
+                 check: bool | None = None) -> None:
         self.config = config
         self.manager = manager
         self.check = checks_enabled(check)
@@ -77,7 +77,6 @@ class OffloadScheduler:
         self._queued_loads: list[TransferPlan] = []
         self._window_index: dict[int, list[tuple[RequestState, int, int]]] = {}
         self._stats = SchedulerStats()
-        self._pop_rule = pop_rule  # only the bug zoo sets this
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
         self.checked: dict[str, int] = {}
 
@@ -157,11 +156,11 @@ class OffloadScheduler:
 
         num_keys = [len(k) for k in req.keys]
         optimistic = converge(self.config, computed, num_tokens, num_keys,
-                              lambda g, i: status(g, i) is not Status.MISS, self._pop_rule)
+                              lambda g, i: status(g, i) is not Status.MISS)
         conv = optimistic
         if any(s is Status.PENDING for s in statuses.values()):
             conv = converge(self.config, computed, num_tokens, num_keys,
-                            lambda g, i: status(g, i) is Status.HIT, self._pop_rule)
+                            lambda g, i: status(g, i) is Status.HIT)
             if conv.hit != optimistic.hit:
                 return PENDING, conv, statuses
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
@@ -444,6 +443,9 @@ class OffloadScheduler:
         """True while jobs are in flight: the engine keeps stepping until they settle."""
         return bool(self._jobs.jobs)
 
+    def job_in_flight(self, job_id: int) -> bool:
+        return job_id in self._jobs.jobs
+
     def jobs_of(self, request_id: str) -> frozenset[int]:
         return frozenset(self._req(request_id).jobs)
 
@@ -468,8 +470,13 @@ class OffloadScheduler:
         final = computed + conv.hit if conv.hit else 0
         self._enforce([LookupRecord(self.config, computed, num_tokens, hits, loading, result),
                  LookupTraceRecord(draft, conv.trace, final),
-                 JobTableRecord(req.request_id, tuple(
-                     self._jobs.jobs[j].plan.kind for j in req.jobs), result is not PENDING)])
+                 JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id),
+                                result is not PENDING)])
+
+    def _kinds_in_flight(self, request_id: str) -> tuple[JobKind, ...]:
+        """From the job table itself, not the request's own list (pair the checks)."""
+        return tuple(j.plan.kind for j in self._jobs.jobs.values()
+                     if j.plan.request_id == request_id)
 
     def _check_completion(self, job: Job, keys: list[Key],
                           failed_loads: list[LoadFailure]) -> None:

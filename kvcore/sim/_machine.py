@@ -1,0 +1,124 @@
+"""A Hypothesis state machine over the simulator: engine events as rules.
+
+Rules are the events an engine produces (a request arrives, a step runs, a worker report
+fails or is late or is sent twice, a request is preempted or aborted, the cache is reset).
+Safety is checked throughout by the scheduler's runtime checks, the simulator's own X1
+check and byte integrity on every completed load; convergence is checked at the end (the
+run must settle). A failure prints as a program of rule calls that replays it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from kvcore.scheduler import BadReportError, WorkerReport
+from kvcore.sim._engine import Simulator
+from kvcore.sim._workload import SimOptions
+from kvcore.spec.types import OffloadConfig
+
+SETTLE_STEPS = 400
+
+
+def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
+                 tally: dict[str, int] | None = None, device: str = "cpu"
+                 ) -> type[RuleBasedStateMachine]:
+    """A state machine class for ``config`` (optionally with a mutated scheduler)."""
+
+    class SimMachine(RuleBasedStateMachine):
+        sim: Simulator
+
+        @initialize(seed=st.integers(0, 2**16), workers=st.sampled_from([1, 2, 3]),
+                    cpu=st.sampled_from([24, 96, 400]), context=st.sampled_from([96, 300, 700]))
+        def start(self, seed: int, workers: int, cpu: int, context: int) -> None:
+            options = SimOptions(seed=seed, requests=0, context_tokens=context,
+                                 num_workers=workers, num_cpu_blocks=cpu,
+                                 num_gpu_blocks=1500, prefill_budget=192, max_running=3,
+                                 fail_rate=0.0, delay_rate=0.0, abort_rate=0.0,
+                                 reset_rate=0.0)
+            self.sim = Simulator(config, options, check=True, device=device,
+                                 scheduler_factory=scheduler_factory)
+
+        def teardown(self) -> None:
+            sim = getattr(self, "sim", None)
+            if sim is None:
+                return
+            try:
+                for _ in range(SETTLE_STEPS):
+                    if sim.done():
+                        break
+                    sim.step()
+                else:
+                    raise AssertionError(f"run did not settle in {SETTLE_STEPS} steps")
+            finally:
+                if tally is not None:
+                    for source in (sim.scheduler.checked, sim.checked):
+                        for key, n in source.items():
+                            tally[key] = tally.get(key, 0) + n
+                sim.transfer.close()
+
+        @rule(follow_up=st.booleans())
+        def new_request(self, follow_up: bool) -> None:
+            done = [r for r in self.sim.reqs.values() if r.state == "done"]
+            if follow_up and done:
+                base = done[-1].tokens
+                self.sim.add_request(base + self.sim.prompts.tokens(7))
+            else:
+                self.sim.add_request()
+
+        @rule(n=st.integers(1, 4))
+        def step(self, n: int) -> None:
+            for _ in range(n):
+                self.sim.step()
+
+        @precondition(lambda self: bool(self.sim.reports))
+        @rule(pick=st.integers(0, 2**16))
+        def fail_a_report(self, pick: int) -> None:
+            when, r = self.sim.reports[pick % len(self.sim.reports)]
+            self.sim.reports[pick % len(self.sim.reports)] = (
+                when, WorkerReport(r.worker, r.job_id, False, r.bytes, r.seconds))
+            self.sim.failed_jobs.add(r.job_id)
+
+        @precondition(lambda self: bool(self.sim.reports))
+        @rule(steps=st.integers(1, 3))
+        def delay_reports(self, steps: int) -> None:
+            self.sim.reports = [(w + steps, r) for w, r in self.sim.reports]
+
+        @precondition(lambda self: any(self.sim.scheduler.job_in_flight(r.job_id)
+                                       for _, r in self.sim.reports))
+        @rule(pick=st.integers(0, 2**16))
+        def duplicate_a_report(self, pick: int) -> None:
+            live = [r for _, r in self.sim.reports if self.sim.scheduler.job_in_flight(r.job_id)]
+            r = live[pick % len(live)]
+            sched = self.sim.scheduler
+            before = sched.has_pending_work(), asdict(sched.stats()), sched.tracked_requests()
+            try:
+                sched.worker_output([r, r])
+            except BadReportError:
+                pass
+            else:
+                raise AssertionError(f"a duplicated report for job {r.job_id} was accepted")
+            after = sched.has_pending_work(), asdict(sched.stats()), sched.tracked_requests()
+            if after != before:
+                raise AssertionError("a rejected report changed the scheduler's state")
+
+        @precondition(lambda self: bool(self.sim.running))
+        @rule(pick=st.integers(0, 2**16))
+        def preempt(self, pick: int) -> None:
+            self.sim.preempt(self.sim.running[pick % len(self.sim.running)].request_id)
+
+        @precondition(lambda self: bool(self.sim.running or self.sim.waiting))
+        @rule(pick=st.integers(0, 2**16))
+        def abort(self, pick: int) -> None:
+            live = list(self.sim.running) + list(self.sim.waiting)
+            self.sim.abort(live[pick % len(live)].request_id)
+
+        @rule()
+        def reset(self) -> None:
+            self.sim.reset()
+
+    SimMachine.__name__ = f"SimMachine_{(config.name or 'custom').replace('-', '_')}"
+    return SimMachine
