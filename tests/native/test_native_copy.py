@@ -1,0 +1,414 @@
+"""The C copy API directly: known answers, one table of bad descriptors, hostile fuzzing.
+
+Goal: every descriptor the C library accepts lies inside its regions, every one it refuses
+is refused before any byte moves, and the process never crashes. Method: regions are carved
+out of one arena tensor surrounded by guard bytes; a Python reference validator (written
+from the header's rules, with unbounded ints) predicts the exact status, index, side, value
+and bound for any input; Hypothesis drives hostile regions and descriptors, and after each
+call the whole arena must equal the reference copy (sequential memcpy semantics) on success
+or be unchanged on error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import currently_in_test_context, event, given
+from hypothesis import strategies as st
+from kvcore.spec.errors import KVCopyError
+
+from kvcore import _native
+from kvcore._native import DescriptorTable, Region, RegionTable, Side, Status
+
+U64 = (1 << 64) - 1
+I64 = (1 << 63) - 1
+ARENA_BYTES = 4096
+GUARD = 256  # bytes before and after the regions that no valid copy may touch
+
+
+class Arena:
+    """One uint8 tensor holding every region, filled with seeded random bytes."""
+
+    def __init__(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.buf = torch.randint(0, 256, (ARENA_BYTES + 2 * GUARD,), dtype=torch.uint8,
+                                 generator=gen)
+        self.base = self.buf.data_ptr() + GUARD
+
+    def snapshot(self) -> bytearray:
+        return bytearray(ctypes.string_at(self.buf.data_ptr(), self.buf.numel()))
+
+    def region(self, offset: int, stride: int, row_bytes: int, rows: int,
+               flags: int = 0, size: int | None = None) -> Region:
+        extent = (rows - 1) * stride + row_bytes if rows else 0
+        return Region(self.base + offset, extent if size is None else size, stride, row_bytes,
+                      rows, flags)
+
+
+def reference_check(regions: list[Region], descs: Sequence[tuple[int, ...]]
+                    ) -> tuple[int, int, int, int, int] | None:
+    """(status, index, side, value, bound) of the first violation, as the header defines it."""
+    for i, r in enumerate(regions):
+        region_bad = _region_violation(r)
+        if region_bad:
+            return (region_bad[0], i, Side.REGION, region_bad[1], region_bad[2])
+    for i, d in enumerate(descs):
+        desc_bad = _desc_violation(regions, d)
+        if desc_bad:
+            return (desc_bad[0], i, desc_bad[1], desc_bad[2], desc_bad[3])
+    return None
+
+
+def _clamp(v: int) -> int:
+    return min(v, I64)
+
+
+def _region_violation(r: Region) -> tuple[int, int, int] | None:
+    if r.flags & ~3:
+        return (Status.E_FLAGS, r.flags, 3)
+    if r.base + r.size_bytes > U64:
+        return (Status.E_OVERFLOW, _clamp(r.size_bytes), _clamp(U64 - r.base))
+    if r.num_rows == 0:
+        return None
+    if r.base == 0:
+        return (Status.E_REGION, 0, 1)
+    if r.num_rows > 1 and r.row_bytes > r.row_stride_bytes:
+        return (Status.E_REGION, _clamp(r.row_bytes), _clamp(r.row_stride_bytes))
+    last = (r.num_rows - 1) * r.row_stride_bytes
+    if last > U64:
+        return (Status.E_OVERFLOW, _clamp(r.num_rows), _clamp(U64 // r.row_stride_bytes))
+    if last + r.row_bytes > U64 or last + r.row_bytes > r.size_bytes:
+        return (Status.E_REGION, _clamp(r.num_rows), _clamp(r.size_bytes))
+    return None
+
+
+def _side_violation(regions: list[Region], region: int, row: int, off: int, size: int,
+                    side: int) -> tuple[int, int, int, int] | None:
+    if not 0 <= region < len(regions):
+        return (Status.E_REGION_ID, side, region, len(regions))
+    r = regions[region]
+    if not 0 <= row < r.num_rows:
+        return (Status.E_ROW_RANGE, side, row, _clamp(r.num_rows))
+    if row == 0 and r.flags & _native.REGION_REFUSE_ROW0:
+        return (Status.E_NULL_ROW, side, 0, 1)
+    if off < 0:
+        return (Status.E_NEGATIVE, side, off, 0)
+    if size > r.row_bytes:
+        return (Status.E_SIZE, side, size, _clamp(r.row_bytes))
+    if off > r.row_bytes - size:
+        return (Status.E_OFFSET, side, off, _clamp(r.row_bytes - size))
+    return None
+
+
+def address(regions: list[Region], region: int, row: int, off: int) -> int:
+    r = regions[region]
+    return r.base + row * r.row_stride_bytes + off
+
+
+def _desc_violation(regions: list[Region], d: tuple[int, ...]
+                    ) -> tuple[int, int, int, int] | None:
+    sr, srow, soff, dr, drow, doff, size = d
+    if size < 0:
+        return (Status.E_NEGATIVE, Side.NONE, size, 0)
+    if size == 0:
+        return (Status.E_ZERO_SIZE, Side.NONE, 0, 1)
+    bad = _side_violation(regions, sr, srow, soff, size, Side.SRC) or \
+        _side_violation(regions, dr, drow, doff, size, Side.DST)
+    if bad:
+        return bad
+    s, t = address(regions, sr, srow, soff), address(regions, dr, drow, doff)
+    if s < t + size and t < s + size:
+        return (Status.E_OVERLAP, Side.DST, _clamp(t), _clamp(s))
+    return None
+
+
+def reference_copy(arena: Arena, before: bytearray, regions: list[Region],
+                   descs: Sequence[tuple[int, ...]]) -> bytearray:
+    """Sequential memcpy semantics over a snapshot (what the C library promises)."""
+    out = bytearray(before)
+    origin = arena.buf.data_ptr()
+    for sr, srow, soff, dr, drow, doff, size in descs:
+        s = address(regions, sr, srow, soff) - origin
+        t = address(regions, dr, drow, doff) - origin
+        out[t:t + size] = out[s:s + size]
+    return out
+
+
+def run_and_check(arena: Arena, regions: list[Region], descs: Sequence[tuple[int, ...]],
+                  flags: int = 0) -> KVCopyError | None:
+    """Copy through the C API and compare every arena byte with the reference."""
+    expected_error = reference_check(regions, descs)
+    if currently_in_test_context():  # statistics for --hypothesis-show-statistics
+        event("accepted" if expected_error is None else Status(expected_error[0]).name)
+    before = arena.snapshot()
+    error = None
+    try:
+        _native.copy(RegionTable(regions), DescriptorTable.pack(descs), flags=flags)
+    except KVCopyError as exc:
+        error = exc
+    after = arena.snapshot()
+    if expected_error is None:
+        assert error is None, error
+        assert after == reference_copy(arena, before, regions, descs)
+    else:
+        assert error is not None, f"accepted, expected {expected_error}"
+        status, index, side, value, bound = expected_error
+        assert (error.code, error.value, error.bound) == (status, value, bound), error
+        assert error.descriptor_index == (None if side == Side.REGION else index), error
+        assert after == before, "an invalid call changed bytes"
+    return error
+
+
+# -- known answers ---------------------------------------------------------------------------
+
+def two_regions(arena: Arena) -> list[Region]:
+    """A 'GPU' pool (8 rows of 64 B, row 0 refused) and a 'CPU' pool (4 rows of 128 B)."""
+    return [arena.region(0, 64, 64, 8, flags=_native.REGION_REFUSE_ROW0),
+            arena.region(1024, 128, 128, 4)]
+
+
+@pytest.mark.parametrize("flags", [0, _native.COPY_PLAIN, _native.COPY_STREAM,
+                                   _native.COPY_NO_STREAM])
+def test_gather_and_scatter_known_answer(flags: int) -> None:
+    arena = Arena(1)
+    regions = two_regions(arena)
+    descs = [(0, 3, 0, 1, 2, 64, 64), (0, 4, 0, 1, 2, 0, 64), (1, 2, 0, 0, 7, 0, 64),
+             (0, 1, 8, 1, 0, 16, 32), (0, 1, 40, 1, 0, 48, 24)]
+    assert run_and_check(arena, regions, descs, flags) is None
+
+
+def test_empty_call_is_a_no_op() -> None:
+    arena = Arena(2)
+    assert run_and_check(arena, two_regions(arena), []) is None
+    _native.validate(RegionTable([]), DescriptorTable.pack([]))
+
+
+def test_strided_rows_of_a_packed_tensor() -> None:
+    """A per-layer view: rows 96 B apart, 32 usable bytes each (row_bytes < stride)."""
+    arena = Arena(3)
+    regions = [arena.region(0, 96, 32, 10, flags=_native.REGION_REFUSE_ROW0),
+               arena.region(2048, 64, 64, 5)]
+    assert run_and_check(arena, regions, [(0, 9, 0, 1, 4, 32, 32), (1, 0, 0, 0, 1, 0, 32)]) \
+        is None
+    error = run_and_check(arena, regions, [(0, 9, 16, 1, 4, 0, 32)])
+    assert error is not None and error.code == Status.E_OFFSET
+
+
+def test_validate_only_never_copies() -> None:
+    arena = Arena(4)
+    before = arena.snapshot()
+    _native.validate(RegionTable(two_regions(arena)),
+                     DescriptorTable.pack([(0, 3, 0, 1, 2, 0, 64)]))
+    assert arena.snapshot() == before
+
+
+# -- one table of bad descriptors -------------------------------------------------------------
+
+BAD_DESCRIPTORS = [
+    # (why, descriptor, status, side)
+    ("negative source id", (0, -1, 0, 1, 0, 0, 64), Status.E_ROW_RANGE, Side.SRC),
+    ("source id = row count", (0, 8, 0, 1, 0, 0, 64), Status.E_ROW_RANGE, Side.SRC),
+    ("destination id = row count", (0, 1, 0, 1, 4, 0, 64), Status.E_ROW_RANGE, Side.DST),
+    ("huge id", (0, I64, 0, 1, 0, 0, 64), Status.E_ROW_RANGE, Side.SRC),
+    ("most negative id", (0, -I64 - 1, 0, 1, 0, 0, 64), Status.E_ROW_RANGE, Side.SRC),
+    ("null GPU block as source", (0, 0, 0, 1, 0, 0, 64), Status.E_NULL_ROW, Side.SRC),
+    ("null GPU block as destination", (1, 0, 0, 0, 0, 0, 64), Status.E_NULL_ROW, Side.DST),
+    ("size larger than a row", (0, 1, 0, 1, 0, 0, 65), Status.E_SIZE, Side.SRC),
+    ("size larger than the destination row", (1, 1, 0, 0, 1, 0, 128), Status.E_SIZE, Side.DST),
+    ("offset past the row", (0, 1, 1, 1, 0, 0, 64), Status.E_OFFSET, Side.SRC),
+    ("offset near 2**63 (overflow)", (0, 1, I64, 1, 0, 0, 64), Status.E_OFFSET, Side.SRC),
+    ("destination offset overflow", (0, 1, 0, 1, 0, I64 - 10, 64), Status.E_OFFSET, Side.DST),
+    ("negative offset", (0, 1, -8, 1, 0, 0, 8), Status.E_NEGATIVE, Side.SRC),
+    ("negative size", (0, 1, 0, 1, 0, 0, -64), Status.E_NEGATIVE, Side.NONE),
+    ("huge negative size", (0, 1, 0, 1, 0, 0, -I64 - 1), Status.E_NEGATIVE, Side.NONE),
+    ("zero-length copy", (0, 1, 0, 1, 0, 0, 0), Status.E_ZERO_SIZE, Side.NONE),
+    ("unknown source region", (4, 1, 0, 1, 0, 0, 64), Status.E_REGION_ID, Side.SRC),
+    ("negative destination region", (0, 1, 0, -1, 0, 0, 64), Status.E_REGION_ID, Side.DST),
+    ("source equals destination", (0, 2, 0, 0, 2, 0, 64), Status.E_OVERLAP, Side.DST),
+    ("partial overlap in a row", (1, 1, 0, 1, 1, 32, 64), Status.E_OVERLAP, Side.DST),
+    ("zero-row region", (3, 0, 0, 1, 0, 0, 8), Status.E_ROW_RANGE, Side.SRC),
+]
+
+
+@pytest.mark.parametrize(("why", "desc", "status", "side"), BAD_DESCRIPTORS,
+                         ids=[row[0] for row in BAD_DESCRIPTORS])
+def test_bad_descriptor_table(why: str, desc: tuple[int, ...], status: int, side: int) -> None:
+    """Each bad descriptor sits at index 2 between good ones; nothing at all may move."""
+    arena = Arena(5)
+    regions = [*two_regions(arena), arena.region(3000, 8, 8, 1), arena.region(3100, 8, 8, 0)]
+    good = (0, 3, 0, 1, 2, 0, 64)
+    error = run_and_check(arena, regions, [good, good, desc, good])
+    assert error is not None and error.code == status and error.descriptor_index == 2
+    assert "no bytes were copied" in str(error) and "descriptor 2 of 4" in str(error)
+    expected = reference_check(regions, [desc])
+    assert expected is not None and expected[2] == side
+
+
+@pytest.mark.parametrize("value", [1 << 63, -(1 << 63) - 1, 1 << 64, 1 << 200])
+def test_values_beyond_64_bits_are_copy_errors(value: int) -> None:
+    with pytest.raises(KVCopyError) as info:
+        DescriptorTable.pack([(0, 1, value, 1, 0, 0, 64)])
+    assert info.value.code == Status.E_OVERFLOW and info.value.descriptor_index == 0
+
+
+@pytest.mark.parametrize("bad", [(0, 1.0, 0, 1, 0, 0, 64), (0, "1", 0, 1, 0, 0, 64),
+                                 (0, True, 0, 1, 0, 0, 64), (0, 1, 0, 1, 0, 0),
+                                 "0101000", (0, None, 0, 1, 0, 0, 64)])
+def test_wrong_python_types_are_value_errors(bad: object) -> None:
+    with pytest.raises(ValueError):
+        DescriptorTable.pack([bad])  # type: ignore[list-item]
+
+
+def test_mismatched_column_lengths() -> None:
+    with pytest.raises(KVCopyError) as info:
+        _native.columns_to_descriptors([[0], [1], [0], [1], [0, 1], [0], [64]])
+    assert info.value.code == Status.E_SHAPE
+
+
+def test_null_tables_and_limits_are_refused() -> None:
+    ffi, lib = _native.load()
+    err = ffi.new("kvc_error *")
+    assert lib.kvc_validate(ffi.NULL, 1, ffi.NULL, 0, err) == Status.E_NULL_ARGUMENT
+    assert lib.kvc_copy(ffi.NULL, 0, ffi.NULL, 3, 0, err) == Status.E_NULL_ARGUMENT
+    table = DescriptorTable.pack([(0, 1, 0, 1, 0, 0, 64)])
+    too_many = lib.KVC_MAX_DESCRIPTORS + 1
+    assert lib.kvc_validate(ffi.NULL, 0, table.cdata, too_many, err) == Status.E_LIMIT
+    assert lib.kvc_copy(ffi.NULL, lib.KVC_MAX_REGIONS + 1, table.cdata, 1, 0, err) \
+        == Status.E_LIMIT
+    assert lib.kvc_copy(ffi.NULL, 0, ffi.NULL, 0, 1 << 40, err) == Status.E_FLAGS
+
+
+def test_inconsistent_regions_are_refused() -> None:
+    arena = Arena(6)
+    ok = arena.region(0, 64, 64, 4)
+    cases = [replace(ok, size_bytes=ok.size_bytes - 1), replace(ok, row_bytes=65),
+             replace(ok, base=0), replace(ok, flags=8), replace(ok, base=U64 - 10),
+             replace(ok, row_stride_bytes=1 << 62, size_bytes=1 << 62)]
+    for region in cases:
+        error = run_and_check(arena, [region, arena.region(1024, 64, 64, 4)],
+                              [(1, 0, 0, 1, 1, 0, 64)])
+        assert error is not None and error.descriptor_index is None, region
+    with pytest.raises(KVCopyError):
+        RegionTable([replace(ok, num_rows=-1)])
+    with pytest.raises(KVCopyError):
+        RegionTable([replace(ok, size_bytes=1 << 64)])
+    with pytest.raises(ValueError):
+        RegionTable([replace(ok, base=1.5)])  # type: ignore[arg-type]
+
+
+def test_concurrent_copies_from_several_threads() -> None:
+    """No shared state in C: threads copying into disjoint rows all land their bytes."""
+    src = torch.randint(0, 256, (64, 4096), dtype=torch.uint8)
+    dst = torch.zeros((64, 4096), dtype=torch.uint8)
+    regions = RegionTable([Region(src.data_ptr(), src.numel(), 4096, 4096, 64),
+                           Region(dst.data_ptr(), dst.numel(), 4096, 4096, 64)])
+    errors: list[BaseException] = []
+
+    def worker(first: int) -> None:
+        try:
+            for _ in range(20):
+                descs = DescriptorTable.pack([(0, r, 0, 1, 63 - r, 0, 4096)
+                                              for r in range(first, 64, 4)])
+                _native.copy(regions, descs)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert torch.equal(dst, src.flip(0))
+
+
+# -- hostile fuzzing ----------------------------------------------------------------------------
+
+def edge_ints(limit: int) -> st.SearchStrategy[int]:
+    """Small values around a limit plus the 64-bit extremes."""
+    return st.one_of(st.integers(-2, limit + 2),
+                     st.sampled_from([-(1 << 63), -1, I64, I64 - 1, 1 << 62, 1 << 32]))
+
+
+def rare(value: int, common: int) -> st.SearchStrategy[int]:
+    """``common`` most of the time, ``value`` about one time in eight."""
+    return st.sampled_from([common] * 7 + [value])
+
+
+@st.composite
+def hostile_regions(draw: st.DrawFn, arena: Arena) -> list[Region]:
+    """1-3 regions inside the arena; now and then an unknown flag or one byte too few."""
+    regions = []
+    for _ in range(draw(st.integers(1, 3))):
+        offset = draw(st.integers(0, ARENA_BYTES - 1))
+        row_bytes = draw(st.integers(0, 96))
+        stride = row_bytes + draw(st.sampled_from([0, 0, 8, 33]))
+        room = ARENA_BYTES - offset
+        rows = draw(st.integers(0, max(0, min(12, (room - row_bytes) // max(stride, 1) + 1))))
+        extent = (rows - 1) * stride + row_bytes if rows else 0
+        if extent > room:
+            rows, extent = 0, 0
+        flags = draw(st.sampled_from([0, 0, 0, _native.REGION_REFUSE_ROW0])) | \
+            draw(rare(4, 0))
+        size = max(0, extent - draw(rare(1, 0)))
+        regions.append(arena.region(offset, stride, row_bytes, rows, flags, size))
+    return regions
+
+
+@st.composite
+def hostile_descriptors(draw: st.DrawFn, regions: list[Region]) -> list[tuple[int, ...]]:
+    """Descriptors drawn near the valid range, with one field at a time pushed to an edge."""
+    descs = []
+    for _ in range(draw(st.integers(0, 6))):
+        sr = draw(st.integers(0, len(regions) - 1))
+        dr = draw(st.integers(0, len(regions) - 1))
+        s, d = regions[sr], regions[dr]
+        size = draw(st.integers(1, max(1, min(s.row_bytes, d.row_bytes))))
+        desc = [sr, draw(st.integers(0, max(0, s.num_rows - 1))),
+                draw(st.integers(0, max(0, s.row_bytes - size))), dr,
+                draw(st.integers(0, max(0, d.num_rows - 1))),
+                draw(st.integers(0, max(0, d.row_bytes - size))), size]
+        if draw(st.booleans()):
+            field = draw(st.integers(0, 6))
+            limits = [len(regions), s.num_rows, s.row_bytes, len(regions), d.num_rows,
+                      d.row_bytes, max(s.row_bytes, d.row_bytes)]
+            desc[field] = draw(edge_ints(limits[field]))
+        descs.append(tuple(desc))
+    return descs
+
+
+@given(st.data())
+def test_hostile_inputs_match_the_reference(data: st.DataObject) -> None:
+    arena = Arena()
+    regions = data.draw(hostile_regions(arena))
+    descs = data.draw(hostile_descriptors(regions))
+    flags = data.draw(st.sampled_from([0, _native.COPY_PLAIN, _native.COPY_STREAM]))
+    run_and_check(arena, regions, descs, flags)
+
+
+@st.composite
+def valid_copies(draw: st.DrawFn, regions: list[Region]) -> list[tuple[int, ...]]:
+    """Mostly-valid descriptors (so the copy path, not just validation, is exercised)."""
+    descs: list[tuple[int, ...]] = []
+    for _ in range(draw(st.integers(1, 8))):
+        sr, dr = draw(st.integers(0, 1)), draw(st.integers(0, 1))
+        s, d = regions[sr], regions[dr]
+        size = draw(st.integers(1, min(s.row_bytes, d.row_bytes)))
+        descs.append((sr, draw(st.integers(1, s.num_rows - 1)),
+                      draw(st.integers(0, s.row_bytes - size)), dr,
+                      draw(st.integers(1, d.num_rows - 1)),
+                      draw(st.integers(0, d.row_bytes - size)), size))
+    return descs
+
+
+@given(st.data())
+def test_valid_copies_match_sequential_semantics(data: st.DataObject) -> None:
+    arena = Arena()
+    regions = two_regions(arena)
+    descs = data.draw(valid_copies(regions))
+    run_and_check(arena, regions, descs, data.draw(st.sampled_from([0, _native.COPY_PLAIN])))

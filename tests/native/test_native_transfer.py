@@ -1,0 +1,381 @@
+"""TransferEngine on CPU tensors: round trips, hostile plans, registration, the async API.
+
+Goal: a store then a load leaves exactly the source bytes in the destination blocks, changes
+no other byte and never changes the source; a plan with any bad id fails as a whole (a
+failed result, zero bytes moved, never a success) and ``validate`` names it. Method: a
+reference model applies ``spec/plans.py``'s sequential sub-block mapping to byte snapshots
+of every GPU row and every CPU chunk; each executed job must leave the engine's memory
+equal to the model's. Hypothesis generates valid jobs and hostile mutations of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import event, given
+from hypothesis import strategies as st
+from kvcore.spec.errors import KVCopyError
+from kvcore.spec.plans import (
+    GroupTransfer,
+    JobKind,
+    TransferPlan,
+    chunks_spanned,
+    sub_block_position,
+)
+from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
+
+from kvcore._native import Status
+from kvcore.transfer import TransferEngine, TransferResult
+
+NUM_GPU_BLOCKS = 12
+NUM_CPU_BLOCKS = 6
+DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.int16)
+
+
+def make_config(bpcs: tuple[int, ...]) -> OffloadConfig:
+    groups = tuple(GroupSpec(GroupKind.FULL, tokens_per_block=4, blocks_per_chunk=b)
+                   for b in bpcs)
+    return OffloadConfig(groups=groups, hash_block_tokens=4, num_gpu_blocks=NUM_GPU_BLOCKS,
+                         num_cpu_blocks=NUM_CPU_BLOCKS)
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bytes viewed as ``dtype`` (never zeros, so a missed copy shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def rows_of(t: torch.Tensor) -> list[bytes]:
+    """Each dim-0 row's bytes (rows may be strided; each row is contiguous)."""
+    es = t.element_size()
+    row = math.prod(t.shape[1:]) * es
+    return [ctypes.string_at(t.data_ptr() + i * t.stride(0) * es, row) for i in range(t.shape[0])]
+
+
+class Model:
+    """Byte snapshots of every GPU row and CPU chunk, and the reference effect of a job."""
+
+    def __init__(self, engine: TransferEngine, tensors: list[list[torch.Tensor]]) -> None:
+        self.engine = engine
+        self.tensors = tensors
+
+    def snapshot(self) -> list[list[tuple[list[bytes], list[bytes]]]]:
+        return [[(rows_of(t), rows_of(self.engine.cpu_tensor(g, k)))
+                 for k, t in enumerate(ts)] for g, ts in enumerate(self.tensors)]
+
+    def apply(self, plan: TransferPlan, snap: list[list[tuple[list[bytes], list[bytes]]]]
+              ) -> list[list[tuple[list[bytes], list[bytes]]]]:
+        out = [[(list(gpu), list(cpu)) for gpu, cpu in grp] for grp in snap]
+        for g, gt in enumerate(plan.groups):
+            bpc = self.engine.config.groups[g].blocks_per_chunk
+            for gpu, cpu in out[g]:
+                rb = len(gpu[0])
+                for i, block in enumerate(gt.gpu_block_ids):
+                    c, j = sub_block_position(i, gt.block_index, bpc)
+                    slot = gt.cpu_slots[c]
+                    chunk = bytearray(cpu[slot])
+                    if plan.kind is JobKind.STORE:
+                        chunk[j * rb:(j + 1) * rb] = gpu[block]
+                        cpu[slot] = bytes(chunk)
+                    else:
+                        gpu[block] = bytes(chunk[j * rb:(j + 1) * rb])
+        return out
+
+
+def run_job(engine: TransferEngine, plan: TransferPlan) -> TransferResult:
+    engine.submit(plan)
+    (result,) = engine.wait([plan.job_id])
+    assert engine.poll() == [result]
+    return result
+
+
+def make_engine(bpcs: tuple[int, ...], layers: int = 2, seed: int = 0,
+                packed: bool = False) -> tuple[TransferEngine, list[list[torch.Tensor]]]:
+    """Per group: ``layers`` per-layer tensors of mixed dtypes, or one packed tensor."""
+    tensors: list[list[torch.Tensor]] = []
+    for g in range(len(bpcs)):
+        if packed:
+            pool = random_tensor((NUM_GPU_BLOCKS, layers, 2, 4, 3), torch.float16, seed + g)
+            tensors.append([pool])
+        else:
+            tensors.append([random_tensor((NUM_GPU_BLOCKS, 4, 2 + k), DTYPES[(g + k) % 5],
+                                          seed + 10 * g + k) for k in range(layers)])
+    return TransferEngine(make_config(bpcs), tensors), tensors
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bpc", [1, 2, 3, 4])
+@pytest.mark.parametrize("load_start", [0, 1, 2])
+def test_store_then_load_round_trip(bpc: int, load_start: int) -> None:
+    """Store 2 chunks' worth of blocks, then load them (from mid-chunk) into other ids."""
+    engine, tensors = make_engine((bpc, 1), layers=3)
+    model = Model(engine, tensors)
+    n = 2 * bpc
+    stored = tuple(range(1, n + 1))
+    slots = (4, 1)
+    store = TransferPlan(1, JobKind.STORE, "r", (GroupTransfer(stored, 0, slots),
+                                                 GroupTransfer()))
+    before = model.snapshot()
+    assert run_job(engine, store).success
+    assert model.snapshot() == model.apply(store, before)
+    start = min(load_start, n - 1)
+    targets = tuple(range(NUM_GPU_BLOCKS - 1, NUM_GPU_BLOCKS - 1 - (n - start), -1))
+    load = TransferPlan(2, JobKind.LOAD, "r", (
+        GroupTransfer(targets, start, slots[start // bpc:]), GroupTransfer()))
+    mid = model.snapshot()
+    result = run_job(engine, load)
+    assert result.success and result.bytes == len(targets) * sum(
+        len(rows_of(t)[0]) for t in tensors[0])
+    after = model.snapshot()
+    assert after == model.apply(load, mid)
+    for k, _t in enumerate(tensors[0]):  # the loaded blocks hold the stored source bytes
+        rows = after[0][k][0]
+        for i, target in enumerate(targets):
+            assert rows[target] == before[0][k][0][stored[start + i]]
+    engine.close()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_several_groups_and_empty_groups(packed: bool) -> None:
+    engine, tensors = make_engine((2, 1, 3), layers=2, packed=packed)
+    model = Model(engine, tensors)
+    plan = TransferPlan(7, JobKind.STORE, "r", (
+        GroupTransfer((5, 6, 7), 1, (0, 3)), GroupTransfer(), GroupTransfer((9,), 2, (5,))))
+    before = model.snapshot()
+    assert run_job(engine, plan).success
+    assert model.snapshot() == model.apply(plan, before)
+    empty = TransferPlan(8, JobKind.LOAD, "r", (GroupTransfer(),) * 3)
+    result = run_job(engine, empty)
+    assert result.success and result.bytes == 0
+    engine.close()
+
+
+def test_per_layer_views_of_a_packed_tensor() -> None:
+    """Strided rows: each layer's view of a (blocks, layers, ...) pool is its own region."""
+    pool = random_tensor((NUM_GPU_BLOCKS, 3, 2, 8), torch.bfloat16, 5)
+    views = [pool[:, layer] for layer in range(3)]
+    engine = TransferEngine(make_config((2,)), [views])
+    model = Model(engine, [views])
+    store = TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((3, 4), 0, (2,)),))
+    before = model.snapshot()
+    assert run_job(engine, store).success
+    assert model.snapshot() == model.apply(store, before)
+    bits = pool.view(torch.int16)  # compare bits: random bytes include NaNs
+    untouched = bits.clone()
+    load = TransferPlan(2, JobKind.LOAD, "r", (GroupTransfer((8,), 1, (2,)),))
+    assert run_job(engine, load).success
+    assert torch.equal(bits[8], untouched[4])
+    assert torch.equal(bits[:8], untouched[:8]) and torch.equal(bits[9:], untouched[9:])
+    engine.close()
+
+
+def test_cpu_tier_size_and_chunk_reads() -> None:
+    engine, tensors = make_engine((3, 1), layers=2)
+    expected = sum(NUM_CPU_BLOCKS * engine.config.groups[g].blocks_per_chunk
+                   * len(rows_of(t)[0]) for g, ts in enumerate(tensors) for t in ts)
+    assert engine.cpu_tier_bytes() == expected
+    plan = TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((1, 2, 3), 0, (4,)),
+                                                GroupTransfer()))
+    assert run_job(engine, plan).success
+    chunk = engine.read_cpu_chunk(0, 1, 4)
+    assert chunk == b"".join(rows_of(tensors[0][1])[b] for b in (1, 2, 3))
+    with pytest.raises(ValueError):
+        engine.read_cpu_chunk(0, 0, NUM_CPU_BLOCKS)
+    engine.close()
+
+
+# -- generated valid and hostile plans -------------------------------------------------------
+
+@st.composite
+def valid_plans(draw: st.DrawFn, bpcs: tuple[int, ...], job_id: int) -> TransferPlan:
+    kind = draw(st.sampled_from(JobKind))
+    groups = []
+    for bpc in bpcs:
+        n = draw(st.integers(0, 6))
+        block_index = draw(st.integers(0, 9))
+        ids = draw(st.lists(st.integers(1, NUM_GPU_BLOCKS - 1), min_size=n, max_size=n,
+                            unique=kind is JobKind.LOAD))
+        slots = draw(st.lists(st.integers(0, NUM_CPU_BLOCKS - 1),
+                              min_size=chunks_spanned(len(ids), block_index, bpc),
+                              max_size=chunks_spanned(len(ids), block_index, bpc),
+                              unique=kind is JobKind.STORE))
+        groups.append(GroupTransfer(tuple(ids), block_index, tuple(slots)))
+    return TransferPlan(job_id, kind, "req", tuple(groups))
+
+
+EDGE_IDS = [0, -1, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, 2**63, -(2**63), 2**64, 10**30]
+
+
+@st.composite
+def hostile_plans(draw: st.DrawFn, bpcs: tuple[int, ...], job_id: int) -> TransferPlan:
+    """A valid plan with one fault: a bad id or slot, a shape mismatch, a double write."""
+    plan = draw(valid_plans(bpcs, job_id))
+    g = draw(st.integers(0, len(bpcs) - 1))
+    gt = plan.groups[g]
+    fault = draw(st.sampled_from(["gpu_id", "slot", "extra_slot", "missing_slot",
+                                  "block_index", "groups", "double_write"]))
+    event(fault)
+    ids, slots = list(gt.gpu_block_ids) or [1], list(gt.cpu_slots)
+    block_index = -1 if fault == "block_index" else gt.block_index
+    if not gt.gpu_block_ids:
+        slots = [0] * chunks_spanned(1, gt.block_index, bpcs[g])
+    if fault == "gpu_id":
+        ids[draw(st.integers(0, len(ids) - 1))] = draw(st.sampled_from(
+            [x for x in EDGE_IDS if not 0 < x < NUM_GPU_BLOCKS]))
+    elif fault == "slot":
+        slots[draw(st.integers(0, len(slots) - 1))] = draw(st.sampled_from(
+            [x for x in EDGE_IDS if not 0 <= x < NUM_CPU_BLOCKS]))
+    elif fault == "extra_slot":
+        slots.append(0)
+    elif fault == "missing_slot":
+        slots.pop()
+    elif fault == "double_write":  # a LOAD writes one GPU block twice, a STORE one chunk
+        block_index = 0
+        if plan.kind is JobKind.LOAD:
+            ids, slots = [2, 2], [0] * chunks_spanned(2, 0, bpcs[g])
+        else:
+            ids, slots = list(range(1, 2 * bpcs[g] + 1)), [3, 3]
+    bad = GroupTransfer(tuple(ids), block_index, tuple(slots))
+    groups = (*plan.groups[:g], bad, *plan.groups[g + 1:])
+    if fault == "groups":
+        groups = groups[:-1] if draw(st.booleans()) else (*groups, GroupTransfer())
+    return TransferPlan(job_id, plan.kind, plan.request_id, groups)
+
+
+BPCS = (3, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def shared_engine() -> Iterator[TransferEngine]:
+    engine, _ = make_engine(BPCS, layers=2, seed=11)
+    yield engine
+    engine.close()
+
+
+@given(st.lists(valid_plans(BPCS, 0), min_size=1, max_size=4))
+def test_valid_jobs_match_the_model(shared_engine: TransferEngine,
+                                    plans: list[TransferPlan]) -> None:
+    model = Model(shared_engine, [[r.gpu for r in regs] for regs in shared_engine._groups])
+    for n, plan in enumerate(plans):
+        plan = TransferPlan(1000 + n, plan.kind, plan.request_id, plan.groups)
+        before = model.snapshot()
+        shared_engine.validate(plan)
+        result = run_job(shared_engine, plan)
+        assert result.success and result.error is None
+        assert model.snapshot() == model.apply(plan, before)
+
+
+@given(hostile_plans(BPCS, 77))
+def test_hostile_jobs_fail_whole_and_move_nothing(shared_engine: TransferEngine,
+                                                  plan: TransferPlan) -> None:
+    model = Model(shared_engine, [[r.gpu for r in regs] for regs in shared_engine._groups])
+    before = model.snapshot()
+    with pytest.raises(KVCopyError) as info:
+        shared_engine.validate(plan)
+    err = info.value
+    assert err.job_id == 77 and err.code != Status.OK and "no bytes were copied" in str(err)
+    assert err.group is not None
+    result = run_job(shared_engine, plan)
+    assert not result.success and result.bytes == 0 and result.error == str(err)
+    assert model.snapshot() == before
+
+
+def test_failed_job_names_the_id_and_its_bound() -> None:
+    engine, _ = make_engine((1, 1), layers=2)
+    plan = TransferPlan(5, JobKind.STORE, "r", (GroupTransfer(), GroupTransfer((3, 9000), 0,
+                                                                               (0, 1))))
+    with pytest.raises(KVCopyError) as info:
+        engine.validate(plan)
+    e = info.value
+    assert (e.code, e.descriptor_index, e.job_id, e.group, e.value, e.bound) == \
+        (Status.E_ROW_RANGE, 1, 5, 1, 9000, NUM_GPU_BLOCKS)
+    assert str(e) == ("descriptor 1 of 4 (store, job 5, group 1): GPU block id 9000 is "
+                      "outside 1..11; no bytes were copied.")
+    null = TransferPlan(6, JobKind.LOAD, "r", (GroupTransfer((0,), 0, (0,)), GroupTransfer()))
+    with pytest.raises(KVCopyError) as info:
+        engine.validate(null)
+    assert info.value.code == Status.E_NULL_ROW and info.value.group == 0
+    engine.close()
+
+
+@pytest.mark.parametrize("bad_id", [1.0, "3", None, True])
+def test_wrongly_typed_ids(bad_id: object) -> None:
+    engine, _tensors = make_engine((1,), layers=1)
+    plan = TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((bad_id,), 0, (0,)),))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        engine.validate(plan)
+    before = rows_of(engine.cpu_tensor(0, 0))
+    result = run_job(engine, plan)
+    assert not result.success and result.bytes == 0 and "ValueError" in (result.error or "")
+    assert rows_of(engine.cpu_tensor(0, 0)) == before
+    with pytest.raises(ValueError):
+        engine.submit("not a plan")  # type: ignore[arg-type]
+    engine.close()
+
+
+# -- registration ---------------------------------------------------------------------------
+
+def _pool(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return random_tensor((NUM_GPU_BLOCKS, 4, 8), dtype, 3)
+
+
+@pytest.mark.parametrize("make_bad", [
+    lambda: _pool().transpose(1, 2),              # rows not contiguous
+    lambda: _pool()[:, :, ::2],                   # strided inside a row
+    lambda: _pool()[:6],                          # wrong block count
+    lambda: torch.empty((NUM_GPU_BLOCKS, 0)),     # zero bytes per block
+    lambda: torch.empty(()),                      # no block dimension
+    lambda: [[1, 2], [3, 4]],                     # not a tensor
+    lambda: _pool()[:1].expand(NUM_GPU_BLOCKS, 4, 8),  # every block aliases one row
+    lambda: torch.randn(NUM_GPU_BLOCKS, 4, dtype=torch.complex64).conj(),  # lazy conj bit
+    lambda: _pool().to_sparse(),                  # not strided
+], ids=["transposed", "strided-row", "block-count", "zero-bytes", "scalar", "list",
+        "aliased-rows", "conj", "sparse"])
+def test_bad_tensors_are_value_errors(make_bad: object) -> None:
+    with pytest.raises(ValueError):
+        TransferEngine(make_config((1,)), [[make_bad()]])  # type: ignore[operator]
+
+
+def test_group_count_and_options_are_checked() -> None:
+    with pytest.raises(ValueError):
+        TransferEngine(make_config((1, 1)), [[_pool()]])
+    with pytest.raises(ValueError):
+        TransferEngine(make_config((1,)), [_pool()])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        TransferEngine(make_config((1,)), [[_pool()]], cuda_method="warp")
+    with pytest.raises(ValueError):
+        TransferEngine("config", [[_pool()]])  # type: ignore[arg-type]
+
+
+# -- the asynchronous API ---------------------------------------------------------------------
+
+def test_close_drains_queued_jobs_and_refuses_new_ones() -> None:
+    engine, _ = make_engine((2,), layers=2)
+    for job in range(20):
+        engine.submit(TransferPlan(job, JobKind.STORE, "r",
+                                   (GroupTransfer((1 + job % 10, 2), 0, (job % 6,)),)))
+    engine.close()
+    results = engine.poll()
+    assert sorted(r.job_id for r in results) == list(range(20))
+    assert all(r.success and r.bytes > 0 and r.seconds >= 0 for r in results)
+    engine.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        engine.submit(TransferPlan(99, JobKind.STORE, "r", (GroupTransfer(),)))
+
+
+def test_wait_returns_results_and_leaves_them_for_poll() -> None:
+    with make_engine((1,), layers=1)[0] as engine:
+        assert engine.wait([123]) == []  # never submitted: nothing to wait for
+        engine.submit(TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((1,), 0, (0,)),)))
+        engine.submit(TransferPlan(2, JobKind.STORE, "r", (GroupTransfer((99,), 0, (0,)),)))
+        waited = engine.wait([1, 2], timeout=60)
+        assert {r.job_id: r.success for r in waited} == {1: True, 2: False}
+        assert sorted(r.job_id for r in engine.poll()) == [1, 2]
+        assert engine.poll() == []
