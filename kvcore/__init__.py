@@ -1,9 +1,58 @@
 """kvcore: a formally specified KV-cache offloading core for LLM inference engines.
 
 The public surface is exactly the names below; everything else lives in underscore
-modules. The safety rules are defined once, as executable invariants, in ``kvcore.spec``.
+modules or subpackages. The safety rules are defined once, as executable invariants, in
+``kvcore.spec``. ``TransferEngine`` is loaded on first use, so importing kvcore for the
+scheduler alone does not import torch.
 """
 
-from kvcore.spec.errors import ConfigError, InvariantViolation, KVCopyError
+from __future__ import annotations
 
-__all__ = ["ConfigError", "InvariantViolation", "KVCopyError"]
+from typing import TYPE_CHECKING
+
+from kvcore.manager import CPUOffloadManager, OffloadManager
+from kvcore.scheduler import (
+    LoadFailure,
+    OffloadScheduler,
+    OutputResult,
+    RequestInfo,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+    WorkerReport,
+)
+from kvcore.spec.errors import ConfigError, InvariantViolation, KVCopyError
+from kvcore.spec.types import PENDING, GroupKind, GroupSpec, OffloadConfig, StoreLevel
+
+if TYPE_CHECKING:
+    from kvcore.transfer import TransferEngine, TransferResult
+
+__all__ = [
+    "PENDING",
+    "CPUOffloadManager",
+    "ConfigError",
+    "GroupKind",
+    "GroupSpec",
+    "InvariantViolation",
+    "KVCopyError",
+    "LoadFailure",
+    "OffloadConfig",
+    "OffloadManager",
+    "OffloadScheduler",
+    "OutputResult",
+    "RequestInfo",
+    "ScheduledRequest",
+    "StepInput",
+    "StepPlan",
+    "StoreLevel",
+    "TransferEngine",
+    "TransferResult",
+    "WorkerReport",
+]
+
+
+def __getattr__(name: str) -> object:
+    if name in ("TransferEngine", "TransferResult"):
+        from kvcore import transfer
+        return getattr(transfer, name)
+    raise AttributeError(f"module 'kvcore' has no attribute {name!r}")

@@ -143,9 +143,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.check_options:
         opts = _check.sim_options(args.seed)
     else:
+        calm: dict[str, Any] = {} if args.faults else {
+            "fail_rate": 0.0, "delay_rate": 0.2, "abort_rate": 0.0, "reset_rate": 0.0}
         opts = SimOptions(seed=args.seed, requests=args.requests, context_tokens=args.context,
-                          prefill_budget=args.prefill_budget,
-                          max_new_tokens=args.max_new_tokens)
+                          prefill_budget=args.prefill_budget, follow_up_rate=0.5,
+                          max_new_tokens=args.max_new_tokens, **calm)
     print(f"kvcore simulate: layout {name}, options {asdict(opts.drawn())}", flush=True)
     report = simulate(config, opts, check=not args.no_checks, device=args.device)
     data = report.as_dict()
@@ -201,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=24)
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     s.add_argument("--no-checks", action="store_true", help="turn runtime checks off")
+    s.add_argument("--faults", action="store_true",
+                   help="draw fault rates (failed/late reports, aborts, resets) from the seed")
     s.add_argument("--check-options", action="store_true",
                    help="use the options `kvcore check` ran this seed with (to replay it)")
     s.add_argument("--json", help="write the report as JSON to this file")

@@ -40,7 +40,10 @@ def deepseek_v4_mtp() -> OffloadConfig:
     attention), the sliding-window MLA cache with 64-token blocks and a 128-token window,
     the C4 compressor state (4-token blocks, window 8) and the C128 compressor state
     (8-token blocks, window 128). Hashes are at gcd = 4 tokens. The draft flag sits on the
-    group holding the MTP layer's sliding-window cache.
+    group holding the MTP layer's sliding-window cache. GPU blocks: 14,067 per pipeline
+    stage (vllm#50821). CPU capacity counts chunks of any group (a 420K-token request
+    keeps about 46K of them under the window keep rule), so it is larger than the number
+    of 256-token packed blocks upstream reports.
     """
     groups = (
         GroupSpec(FULL, 256, name="mla"),
@@ -49,7 +52,7 @@ def deepseek_v4_mtp() -> OffloadConfig:
         GroupSpec(SLIDING, 8, window_tokens=128, name="c128-state"),
     )
     return OffloadConfig(groups, hash_block_tokens=4, num_gpu_blocks=14067,
-                         num_cpu_blocks=28066, speculative=True, name="deepseek-v4-mtp")
+                         num_cpu_blocks=262144, speculative=True, name="deepseek-v4-mtp")
 
 
 def gemma3() -> OffloadConfig:

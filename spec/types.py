@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvcore.spec.errors import ConfigError
 
@@ -153,11 +154,14 @@ class OffloadConfig:
 
     # -- derived quantities (pure, recomputed; cheap) --------------------------------
 
-    @property
+    # Derived values are cached on first use: the config is frozen, and the store and
+    # lookup rules ask for them on every step.
+
+    @cached_property
     def has_window_groups(self) -> bool:
         return any(g.kind is not GroupKind.FULL for g in self.groups)
 
-    @property
+    @cached_property
     def mamba_align_tokens(self) -> int | None:
         """The MAMBA groups' shared tokens_per_chunk, or None without MAMBA groups."""
         sizes = {g.tokens_per_chunk for g in self.groups if g.kind is GroupKind.MAMBA}
@@ -170,9 +174,16 @@ class OffloadConfig:
         """a: the store-skip period of a SLIDING group, or None when every chunk is kept.
 
         Loads end on full-attention chunk boundaries when exactly one full-attention chunk
-        size exists, so inside each segment of ``a = A / o`` chunks only the last
-        ``W + e`` can ever be read by a lookup; the others are not stored.
+        size exists, so inside each segment of ``a = A / o`` chunks only the ``W + e``
+        around the segment end can ever be read by a lookup; the others are not stored.
         """
+        return self._alignment[group]
+
+    @cached_property
+    def _alignment(self) -> tuple[int | None, ...]:
+        return tuple(self._compute_alignment(i) for i in range(len(self.groups)))
+
+    def _compute_alignment(self, group: int) -> int | None:
         g = self.groups[group]
         if not self.store_alignment or g.kind is not GroupKind.SLIDING:
             return None
