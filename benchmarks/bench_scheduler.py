@@ -32,6 +32,9 @@ import statistics
 import time
 from dataclasses import replace
 
+from kvcore.spec.lookup import spec_hit
+from kvcore.spec.types import cdiv, group_keys
+
 from kvcore.manager import CPUOffloadManager
 from kvcore.presets import preset
 from kvcore.scheduler import (
@@ -41,8 +44,6 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
-from kvcore.spec.lookup import spec_hit
-from kvcore.spec.types import cdiv, group_keys
 
 SPEC_TOKENS = 2
 

@@ -109,7 +109,7 @@ def run_machine(config: OffloadConfig, examples: int, steps: int, result: Batter
                     suppress_health_check=list(HealthCheck), print_blob=True)
     out = io.StringIO()
     try:
-        with with_reporter(lambda s: out.write(str(s) + "\n")), \
+        with with_reporter(lambda s: print(s, file=out)), \
                 contextlib.redirect_stdout(out):
             run_state_machine_as_test(machine, settings=opts)
     except Exception as exc:  # the state machine re-raises the shrunk failure

@@ -92,8 +92,10 @@ def _pop_patch(rule: Callable[[OffloadConfig, int, int], int]) -> Callable[[], A
     def apply() -> Iterator[None]:
         original = _lookup.converge
 
-        def converge(cfg: OffloadConfig, *args: Any, **kwargs: Any) -> Any:
-            return original(cfg, *args, extra_chunks=lambda g, n: rule(cfg, g, n))
+        def converge(cfg: OffloadConfig, computed: int, num_tokens: int, num_keys: Any,
+                     is_hit: Any, extra_chunks: Any = None) -> Any:
+            return original(cfg, computed, num_tokens, num_keys, is_hit,
+                            lambda g, n: rule(cfg, g, n))
         with mock.patch.object(_sched, "converge", converge):
             yield None
     return apply
