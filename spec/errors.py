@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+Key = bytes
+
 
 class ConfigError(ValueError):
     """Raised when a configuration is invalid or ambiguous.
@@ -70,3 +72,88 @@ class InvariantViolation(AssertionError):
         self.ids = sorted({v.id for v in self.violations})
         lines = [f"{v.id}: {v.message}" for v in self.violations]
         super().__init__("invariants broken: " + "; ".join(lines))
+
+class UnknownRequestError(KeyError):
+    """A scheduler hook named a request it does not track (add_request first)."""
+
+
+class UnknownJobError(KeyError):
+    """A worker reported a job the scheduler never issued (or already completed)."""
+
+
+class BadReportError(ValueError):
+    """A worker report is a duplicate, or comes from a worker outside num_workers."""
+
+
+class BadStepError(ValueError):
+    """A hook's arguments contradict the config or the request (group count, hashes)."""
+
+
+class BlockTableError(ValueError):
+    """The engine's block table cannot hold what it claims (too short, or a null inside)."""
+
+
+def short_key(key: object) -> str:
+    """A key for messages: its repr, cut to a readable length, with its size when cut."""
+    text = repr(key)
+    if len(text) <= 40:
+        return text
+    size = f" ({len(key)} bytes)" if isinstance(key, bytes) else ""
+    return text[:36] + "...'" + size
+
+
+class KeyNotReadyError(KeyError):
+    """Raised by ``prepare_load`` for a key that is absent or still being written.
+
+    A load may only read a READY chunk; ``state`` is ``"absent"`` or ``"writing"``. The
+    manager's state is unchanged when it is raised (no key of the call was pinned).
+    """
+
+    def __init__(self, key: Key, state: str) -> None:
+        self.key = key
+        self.state = state
+        hint = ("lookup() must answer HIT before a load" if state == "absent"
+                else "wait for complete_store; lookup() answers PENDING until then")
+        self.message = f"prepare_load: key {short_key(key)} is {state}, not READY; {hint}"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotPinnedError(ValueError):
+    """Raised by ``complete_load`` for a key with no load in flight to complete.
+
+    ``state`` is ``"absent"``, ``"writing"``, ``"ready"`` (pin count 0) or ``"pinned"``;
+    ``pins`` is the key's pin count and ``releases`` how many times the call names it,
+    which is more than ``pins``. The manager's state is unchanged when it is raised.
+    """
+
+    def __init__(self, key: Key, state: str, pins: int, releases: int) -> None:
+        self.key = key
+        self.state = state
+        self.pins = pins
+        self.releases = releases
+        self.message = (f"complete_load: key {short_key(key)} is {state} with pins={pins} "
+                        f"but the call releases {releases}; call complete_load once per "
+                        "prepare_load, with the same keys")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidKeyError(TypeError):
+    """Raised by ``prepare_store`` for a key that is not ``bytes`` (make_key builds keys).
+
+    Checked where keys enter the tier, so a wrong type cannot hide in the contents.
+    """
+
+    def __init__(self, key: object) -> None:
+        self.key = key
+        self.message = (f"prepare_store: key {short_key(key)} is a {type(key).__name__}, "
+                        "not bytes; build keys with kvcore.spec.types.make_key")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcore.spec.errors import ConfigError
+from kvcore.spec.errors import BlockTableError, ConfigError
 from kvcore.spec.lookup import served_chunks
 from kvcore.spec.types import OffloadConfig, cdiv
 
@@ -26,10 +26,6 @@ class GroupLoad:
     end_chunk: int
     block_index: int
     gpu_block_ids: tuple[int, ...]
-
-
-class BlockTableError(ValueError):
-    """The engine's block table cannot hold what it claims (too short, or a null inside)."""
 
 
 def first_unfilled(table: Sequence[int], valid_blocks: int, end: int) -> int:

@@ -35,7 +35,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcore.spec.errors import ConfigError
+from kvcore.spec.errors import (
+    ConfigError,
+    InvalidKeyError,
+    KeyNotReadyError,
+    NotPinnedError,
+)
 from kvcore.spec.types import Key, Status
 
 # A limit on everything: a capacity beyond this is a units mistake (bytes for chunks).
@@ -86,72 +91,6 @@ class ManagerStats:
 
 
 # -- operating errors -------------------------------------------------------------------
-
-
-def short_key(key: object) -> str:
-    """A key for messages: its repr, cut to a readable length, with its size when cut."""
-    text = repr(key)
-    if len(text) <= 40:
-        return text
-    size = f" ({len(key)} bytes)" if isinstance(key, bytes) else ""
-    return text[:36] + "...'" + size
-
-
-class KeyNotReadyError(KeyError):
-    """Raised by ``prepare_load`` for a key that is absent or still being written.
-
-    A load may only read a READY chunk; ``state`` is ``"absent"`` or ``"writing"``. The
-    manager's state is unchanged when it is raised (no key of the call was pinned).
-    """
-
-    def __init__(self, key: Key, state: str) -> None:
-        self.key = key
-        self.state = state
-        hint = ("lookup() must answer HIT before a load" if state == "absent"
-                else "wait for complete_store; lookup() answers PENDING until then")
-        self.message = f"prepare_load: key {short_key(key)} is {state}, not READY; {hint}"
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class NotPinnedError(ValueError):
-    """Raised by ``complete_load`` for a key with no load in flight to complete.
-
-    ``state`` is ``"absent"``, ``"writing"``, ``"ready"`` (pin count 0) or ``"pinned"``;
-    ``pins`` is the key's pin count and ``releases`` how many times the call names it,
-    which is more than ``pins``. The manager's state is unchanged when it is raised.
-    """
-
-    def __init__(self, key: Key, state: str, pins: int, releases: int) -> None:
-        self.key = key
-        self.state = state
-        self.pins = pins
-        self.releases = releases
-        self.message = (f"complete_load: key {short_key(key)} is {state} with pins={pins} "
-                        f"but the call releases {releases}; call complete_load once per "
-                        "prepare_load, with the same keys")
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class InvalidKeyError(TypeError):
-    """Raised by ``prepare_store`` for a key that is not ``bytes`` (make_key builds keys).
-
-    Checked where keys enter the tier, so a wrong type cannot hide in the contents.
-    """
-
-    def __init__(self, key: object) -> None:
-        self.key = key
-        self.message = (f"prepare_store: key {short_key(key)} is a {type(key).__name__}, "
-                        "not bytes; build keys with kvcore.spec.types.make_key")
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def check_capacity(capacity: object) -> None:
@@ -215,6 +154,7 @@ class ReferenceManager:
         return self.state[key]
 
     def slot_of(self, key: Key) -> int | None:
+        """The key's slot, or None when absent."""
         return self.slot.get(key)
 
     def evictable_keys(self, protected: Sequence[Key] = ()) -> list[Key]:
@@ -222,6 +162,7 @@ class ReferenceManager:
         return [k for k in self.recency if self.pins[k] == 0 and k not in protected]
 
     def stats(self) -> ManagerStats:
+        """Occupancy recounted from the states, plus the cumulative counters."""
         states = [self.state_of(k) for k in self.state]
         return ManagerStats(
             capacity=self.capacity,
@@ -315,6 +256,7 @@ class ReferenceManager:
             self.stored_keys += len(done)
 
     def take_events(self) -> list[ManagerEvent]:
+        """Drain the events produced since the last call, oldest first."""
         events, self.events = self.events, []
         return events
 

@@ -1,0 +1,234 @@
+"""Refinement: the CPU tier answers exactly as the reference manager, for random histories.
+
+Goal: show that ``CPUOffloadManager`` refines ``kvcore.spec.manager_model.ReferenceManager``.
+With LRU the two must agree on everything observable: every return value, every
+exception (type, key and state), the events, the stats, and each key's status, slot and
+state after every step. ARC chooses different victims, and the spec allows any choice of
+evictable keys outside the call, so for ARC the model is handed ARC's victims and must
+accept them (it raises if they are not exactly the number needed, all READY, unpinned
+and outside the call); everything else must then agree exactly too. That covers what
+both policies must share: capacity never exceeded, pinned and WRITING keys never
+evicted, eviction atomic (None changes nothing, not even the policy's private order),
+same-call keys never evicted, and events consistent with the contents.
+
+Method: a Hypothesis ``RuleBasedStateMachine`` over eight keys and a capacity of one to
+four chunks, so that eviction, pins and no-room answers happen often. Each rule applies
+one operation to both managers and compares the outcomes; the invariants compare the
+observable state, and every eviction is also judged by the spec's M1 predicate. Touches
+favour stored and recently evicted keys, so LRU order and ARC's ghost lists matter. The
+implementation runs with ``check=True``, exercising its own runtime M1 check as well.
+``hypothesis.event`` labels show, with ``--hypothesis-show-statistics``, how often the
+interesting branches (evictions, None answers, T2 evictions) were reached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvcore.manager import ARCPolicy, CPUOffloadManager, LRUPolicy, PrepareStoreResult
+from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
+from kvcore.spec.manager_model import ReferenceManager
+from kvcore.spec.types import Key, Status
+
+KEYS: list[Key] = [b"k%d" % i for i in range(8)]
+key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
+mostly_true = st.sampled_from([True, True, True, False])  # stores usually succeed
+
+
+def outcome(call: Callable[[], Any]) -> tuple[Any, ...]:
+    """A call's result, or its exception's type, key and state, for comparison."""
+    try:
+        return ("ok", call())
+    except (KeyError, ValueError, TypeError) as e:
+        return ("error", type(e), getattr(e, "key", None), getattr(e, "state", None))
+
+
+def policy_view(m: CPUOffloadManager) -> object:
+    """The policy's whole ordering state: LRU's order, or ARC's lists and target."""
+    policy = m.policy
+    if isinstance(policy, ARCPolicy):
+        return policy.lists(), policy.target_t1
+    assert isinstance(policy, LRUPolicy)
+    return policy.order()
+
+
+def m1_record(model: ReferenceManager, keys: list[Key],
+              got: PrepareStoreResult | None) -> EvictionRecord | None:
+    """The M1 record of a ``prepare_store`` about to run on ``model``; None if no room
+    was needed. Built from the model's state before the call."""
+    to_store = {key for key in keys if model.state_of(key) is None}
+    need = len(to_store) - (model.capacity - model.stats().used)
+    if need <= 0:
+        return None
+    evicted = got.evicted if got is not None else ()
+    return EvictionRecord(
+        call_keys=tuple(keys),
+        evicted=tuple((key, model.state_of(key) or "absent") for key in evicted),
+        needed=need,
+        returned_none=got is None,
+        changed_state=False,  # the invariants compare states: the model changed nothing
+    )
+
+
+class ManagerRefinement(RuleBasedStateMachine):
+    """Drives the implementation and the model with the same operations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = CPUOffloadManager(1)
+        self.model = ReferenceManager(1)
+        self.policy = "lru"
+        self.announced: set[Key] = set()  # keys the events say are loadable
+        self.gone: list[Key] = []  # evicted keys, most recent last (ARC's ghosts)
+
+    @initialize(capacity=st.integers(1, 4), policy=st.sampled_from(["lru", "arc"]))
+    def setup(self, capacity: int, policy: str) -> None:
+        self.impl = CPUOffloadManager(capacity, policy, check=True)
+        self.model = ReferenceManager(capacity)
+        self.policy = policy
+
+    def keys_in(self, *states: str) -> list[Key]:
+        return [key for key in KEYS if self.model.state_of(key) in states]
+
+    def draw_keys(self, data: st.DataObject, pool: list[Key], min_size: int = 0) -> list[Key]:
+        """Keys mostly from ``pool``, sometimes any key."""
+        some_key = st.sampled_from(pool) | st.sampled_from(KEYS) if pool \
+            else st.sampled_from(KEYS)
+        return data.draw(st.lists(some_key, min_size=min_size, max_size=5))
+
+    # -- stores -------------------------------------------------------------------
+
+    @rule(keys=key_lists)
+    def prepare_store(self, keys: list[Key]) -> None:
+        policy_before = policy_view(self.impl)
+        arc_prefers_t2 = self.arc_prefers_t2()
+        got = outcome(lambda: self.impl.prepare_store(keys))
+        result = got[1] if got[0] == "ok" else None
+        record = m1_record(self.model, keys, result)
+        victims = result.evicted if self.policy == "arc" and result is not None else None
+        assert got == outcome(lambda: self.model.prepare_store(keys, victims))
+        if record is not None:
+            assert m1_eviction_safe(record) == []
+            event(f"{self.policy}: " + ("None" if result is None else "evicted")
+                  + (" while ARC prefers T2" if arc_prefers_t2 else ""))
+        if got == ("ok", None):  # atomic: not even the policy's private state moved
+            assert policy_view(self.impl) == policy_before
+        if result is not None:
+            self.gone = [k for k in self.gone if k not in result.keys_to_store][-4:]
+            self.gone.extend(result.evicted)
+
+    def arc_prefers_t2(self) -> bool:
+        policy = self.impl.policy
+        if not isinstance(policy, ARCPolicy):
+            return False
+        stats = self.impl.stats()
+        return len(policy.lists()["t1"]) + stats.writing < int(policy.target_t1)
+
+    @rule(keys=key_lists, success=mostly_true)
+    def store_and_complete(self, keys: list[Key], success: bool) -> None:
+        """The common path, prepare then complete, so READY keys accumulate."""
+        self.prepare_store(keys)
+        self.impl.complete_store(keys, success)
+        self.model.complete_store(keys, success)
+
+    @rule(data=st.data(), rounds=st.integers(1, 6))
+    def busy_steps(self, data: st.DataObject, rounds: int) -> None:
+        """Several store-touch rounds in one rule, so short runs still reach deep states
+        (full tier, ghost hits, an ARC target above |T1|)."""
+        for _ in range(rounds):
+            keys = data.draw(key_lists)
+            self.store_and_complete(keys, data.draw(mostly_true))
+            self.touch(data)
+
+    @precondition(lambda self: self.keys_in("writing"))
+    @rule(data=st.data(), success=st.booleans())
+    def complete_store(self, data: st.DataObject, success: bool) -> None:
+        """Completes some WRITING keys, maybe with READY or absent ones mixed in."""
+        keys = self.draw_keys(data, self.keys_in("writing"), min_size=1)
+        self.impl.complete_store(keys, success)
+        self.model.complete_store(keys, success)
+
+    # -- loads and recency --------------------------------------------------------
+
+    @rule(data=st.data())
+    def prepare_load(self, data: st.DataObject) -> None:
+        """Mostly READY keys (they pin); any key may turn it into an operating error."""
+        keys = self.draw_keys(data, self.keys_in("ready", "pinned"))
+        assert outcome(lambda: self.impl.prepare_load(keys)) == \
+            outcome(lambda: self.model.prepare_load(keys))
+
+    @rule(data=st.data())
+    def complete_load(self, data: st.DataObject) -> None:
+        """Mostly pinned keys; duplicates and other keys make operating errors."""
+        keys = self.draw_keys(data, self.keys_in("pinned"))
+        assert outcome(lambda: self.impl.complete_load(keys)) == \
+            outcome(lambda: self.model.complete_load(keys))
+
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        """Stored keys (their order matters) and evicted ones (ARC's ghost hits)."""
+        keys = self.draw_keys(data, self.keys_in("ready", "pinned", "writing") + self.gone)
+        self.impl.touch(keys)
+        self.model.touch(keys)
+
+    # -- events and reset ---------------------------------------------------------
+
+    @rule()
+    def take_events(self) -> None:
+        """Events match, and replayed in order they describe exactly the READY keys."""
+        events = self.impl.take_events()
+        assert events == self.model.take_events()
+        for e in events:
+            for key in e.keys:
+                assert (key in self.announced) == e.removed, (key, e)
+                if e.removed:
+                    self.announced.discard(key)
+                else:
+                    self.announced.add(key)
+        assert self.announced == set(self.keys_in("ready", "pinned"))
+
+    @rule()
+    def reset(self) -> None:
+        self.impl.reset()
+        self.model.reset()
+        self.announced = set()
+        self.gone = []
+
+    # -- invariants ---------------------------------------------------------------
+
+    @invariant()
+    def same_observable_state(self) -> None:
+        stats = self.impl.stats()
+        assert stats == self.model.stats()
+        assert stats.used == stats.writing + stats.pinned + stats.evictable
+        assert stats.used <= stats.capacity
+        for key in KEYS:
+            assert self.impl.lookup(key) == self.model.lookup(key)
+            assert self.impl.slot_of(key) == self.model.slot_of(key)
+            assert self.impl.state_of(key) == self.model.state_of(key)
+
+    @invariant()
+    def slots_are_distinct_and_in_range(self) -> None:
+        slots = [s for s in map(self.impl.slot_of, KEYS) if s is not None]
+        assert len(set(slots)) == len(slots)
+        assert all(0 <= s < self.model.capacity for s in slots)
+
+    @invariant()
+    def hits_are_exactly_the_ready_keys(self) -> None:
+        for key in KEYS:
+            ready = self.impl.state_of(key) in ("ready", "pinned")
+            assert (self.impl.lookup(key) is Status.HIT) == ready
+
+
+TestManagerRefinement = ManagerRefinement.TestCase
