@@ -57,7 +57,16 @@ class BatteryResult:
 
 
 def classify(exc: BaseException) -> tuple[str, list[str]]:
-    """(kind, invariant ids) of a failure, for the tables and the exit code."""
+    """(kind, invariant ids) of a failure, for the tables and the exit code.
+
+    Hypothesis raises an ExceptionGroup when it finds several distinct failures; the
+    group is as severe as its most telling member (an invariant over a crash).
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        parts = [classify(e) for e in exc.exceptions]
+        order = ("invariant", "integrity", "liveness", "crash")
+        kind = min((k for k, _ in parts), key=order.index)
+        return kind, sorted({i for _, ids in parts for i in ids})
     if isinstance(exc, InvariantViolation):
         return "invariant", list(exc.ids)
     if isinstance(exc, IntegrityError):
@@ -114,8 +123,18 @@ def run_machine(config: OffloadConfig, examples: int, steps: int, result: Batter
             run_state_machine_as_test(machine, settings=opts)
     except Exception as exc:  # the state machine re-raises the shrunk failure
         kind, ids = classify(exc)
-        result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                 out.getvalue().strip())
+        program = "\n".join(_notes(exc)) or out.getvalue().strip()
+        result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}", program)
+
+
+def _notes(exc: BaseException) -> list[str]:
+    """Hypothesis attaches the failing program to the exception as notes (PEP 678)."""
+    notes = [str(n) for n in getattr(exc, "__notes__", [])]
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            notes.append(f"-- {type(sub).__name__}: {str(sub)[:300]}")
+            notes.extend(_notes(sub))
+    return notes
 
 
 def run_directed(result: BatteryResult, *, factory: Any = None) -> None:

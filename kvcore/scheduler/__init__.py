@@ -1,8 +1,6 @@
 """The scheduler: lookup, load, store and job rules, split by concern."""
 
 from kvcore.scheduler._types import (
-    BadReportError,
-    BadStepError,
     KeyEvent,
     LoadFailure,
     OutputResult,
@@ -11,11 +9,15 @@ from kvcore.scheduler._types import (
     SchedulerStats,
     StepInput,
     StepPlan,
-    UnknownJobError,
-    UnknownRequestError,
     WorkerReport,
 )
 from kvcore.scheduler.scheduler import OffloadScheduler
+from kvcore.spec.errors import (
+    BadReportError,
+    BadStepError,
+    UnknownJobError,
+    UnknownRequestError,
+)
 
 __all__ = [
     "BadReportError",

@@ -123,18 +123,3 @@ class SchedulerStats:
     store_skipped_no_room: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
-
-class UnknownRequestError(KeyError):
-    """A hook named a request the scheduler does not track."""
-
-
-class UnknownJobError(KeyError):
-    """A worker reported a job the scheduler never issued (or already completed)."""
-
-
-class BadReportError(ValueError):
-    """A worker report is a duplicate, or one more than ``num_workers`` allow."""
-
-
-class BadStepError(ValueError):
-    """A hook's arguments contradict the config or the request (group count, hashes)."""

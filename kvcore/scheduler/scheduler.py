@@ -18,8 +18,6 @@ from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import Convergence, converge
 from kvcore.scheduler._state import Job, JobTable, RequestState
 from kvcore.scheduler._types import (
-    BadReportError,
-    BadStepError,
     KeyEvent,
     LoadFailure,
     OutputResult,
@@ -28,10 +26,9 @@ from kvcore.scheduler._types import (
     SchedulerStats,
     StepInput,
     StepPlan,
-    UnknownJobError,
-    UnknownRequestError,
     WorkerReport,
 )
+from kvcore.spec.errors import BadReportError, BadStepError, UnknownJobError, UnknownRequestError
 from kvcore.spec.invariants import (
     CompletionRecord,
     FailureRecord,

@@ -9,6 +9,8 @@ run must settle). A failure prints as a program of rule calls that replays it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -42,9 +44,24 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
             self.sim = Simulator(config, options, check=True, device=device,
                                  scheduler_factory=scheduler_factory)
 
+        broken = False
+
+        @contextlib.contextmanager
+        def guard(self) -> Iterator[None]:
+            """Mark the machine broken when a rule fails, so teardown does not step a
+            simulator left mid-hook (that would report a second, derived failure)."""
+            try:
+                yield
+            except BaseException:
+                self.broken = True
+                raise
+
         def teardown(self) -> None:
             sim = getattr(self, "sim", None)
             if sim is None:
+                return
+            if self.broken:
+                sim.transfer.close()
                 return
             try:
                 for _ in range(SETTLE_STEPS):
@@ -63,16 +80,17 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
         @rule(follow_up=st.booleans())
         def new_request(self, follow_up: bool) -> None:
             done = [r for r in self.sim.reqs.values() if r.state == "done"]
-            if follow_up and done:
-                base = done[-1].tokens
-                self.sim.add_request(base + self.sim.prompts.tokens(7))
-            else:
-                self.sim.add_request()
+            with self.guard():
+                if follow_up and done:
+                    self.sim.add_request(done[-1].tokens + self.sim.prompts.tokens(7))
+                else:
+                    self.sim.add_request()
 
         @rule(n=st.integers(1, 4))
         def step(self, n: int) -> None:
-            for _ in range(n):
-                self.sim.step()
+            with self.guard():
+                for _ in range(n):
+                    self.sim.step()
 
         @precondition(lambda self: bool(self.sim.reports))
         @rule(pick=st.integers(0, 2**16))
@@ -114,11 +132,13 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
         @rule(pick=st.integers(0, 2**16))
         def abort(self, pick: int) -> None:
             live = list(self.sim.running) + list(self.sim.waiting)
-            self.sim.abort(live[pick % len(live)].request_id)
+            with self.guard():
+                self.sim.abort(live[pick % len(live)].request_id)
 
         @rule()
         def reset(self) -> None:
-            self.sim.reset()
+            with self.guard():
+                self.sim.reset()
 
     SimMachine.__name__ = f"SimMachine_{(config.name or 'custom').replace('-', '_')}"
     return SimMachine
