@@ -266,7 +266,6 @@ def engine_check() -> str:
     try:
         from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
         from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
-
         from kvcore.transfer import TransferEngine
     except ImportError as exc:
         return f"skipped ({exc})"

@@ -20,10 +20,10 @@ import pytest
 import torch
 from hypothesis import currently_in_test_context, event, given
 from hypothesis import strategies as st
-from kvcore.spec.errors import KVCopyError
 
 from kvcore import _native
 from kvcore._native import DescriptorTable, Region, RegionTable, Side, Status
+from kvcore.spec.errors import KVCopyError
 
 U64 = (1 << 64) - 1
 I64 = (1 << 63) - 1

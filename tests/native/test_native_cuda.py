@@ -17,10 +17,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore.spec.errors import KVCopyError
 
 from kvcore import _cuda, _native
 from kvcore._native import DescriptorTable, Region, RegionTable, Status
+from kvcore.spec.errors import KVCopyError
 
 ROWS = 64
 ROW_BYTES = 8192
@@ -174,7 +174,6 @@ def test_events_complete(copier: _cuda.CudaCopier, stream: torch.cuda.Stream) ->
 def test_transfer_engine_round_trip_on_cuda(method: str) -> None:
     from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
     from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
-
     from kvcore.transfer import TransferEngine
 
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 16, blocks_per_chunk=2),),

@@ -18,6 +18,8 @@ import pytest
 import torch
 from hypothesis import event, given
 from hypothesis import strategies as st
+
+from kvcore._native import Status
 from kvcore.spec.errors import KVCopyError
 from kvcore.spec.plans import (
     GroupTransfer,
@@ -27,8 +29,6 @@ from kvcore.spec.plans import (
     sub_block_position,
 )
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
-
-from kvcore._native import Status
 from kvcore.transfer import TransferEngine, TransferResult
 
 NUM_GPU_BLOCKS = 12
