@@ -94,11 +94,11 @@ class GroupSpec:
     extra_retained_tokens: int = 0
     name: str = ""
 
-    @property
+    @cached_property
     def tokens_per_chunk(self) -> int:
         return self.tokens_per_block * self.blocks_per_chunk
 
-    @property
+    @cached_property
     def window_chunks(self) -> int | None:
         """W: chunks a window needs at a chunk-aligned boundary; None for FULL."""
         if self.kind is GroupKind.SLIDING:
@@ -113,7 +113,7 @@ class GroupSpec:
         """R: tokens before a boundary T that the window reaches (SLIDING only)."""
         return (self.window_tokens or 0) - 1 + self.extra_retained_tokens
 
-    @property
+    @cached_property
     def extra_chunks(self) -> int:
         """e: 1 for a draft group (its last hit chunk is never served), else 0."""
         return 1 if self.is_draft else 0

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from kvcore.scheduler._state import RequestState
 from kvcore.spec.invariants import CursorMoveRecord, PlanRecord, StoreOfferRecord
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
-from kvcore.spec.store import GroupOffer, chunk_source_blocks, group_offer, storable_prefix
+from kvcore.spec.store import (
+    GroupOffer,
+    chunk_source_blocks,
+    group_offer,
+    storable_prefix,
+)
 from kvcore.spec.types import GroupKind, Key, OffloadConfig
 
 
@@ -31,8 +36,12 @@ def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int) -> StoreDr
     offers = []
     keys: list[Key] = []
     for group in range(len(cfg.groups)):
-        offer = group_offer(cfg, group, req.cursors[group], frontier, storable,
-                            req.tables[group])
+        cursor = req.cursors[group]
+        if storable // cfg.groups[group].tokens_per_chunk <= cursor:
+            # The common decode step: no chunk completed since the last store.
+            offers.append(GroupOffer(cursor, cursor))
+            continue
+        offer = group_offer(cfg, group, cursor, frontier, storable, req.tables[group])
         offers.append(offer)
         keys.extend(req.keys[group][c] for c in offer.offered)
     return StoreDraft(tuple(offers), tuple(keys), frontier)
