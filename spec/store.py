@@ -19,7 +19,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcore.spec.types import OffloadConfig, assert_int
+from kvcore.spec.types import OffloadConfig
 
 
 class Skip(enum.Enum):
@@ -64,22 +64,21 @@ def store_end(cfg: OffloadConfig, group: int, frontier: int, storable: int) -> i
 
 
 def chunk_reachable(cfg: OffloadConfig, group: int, chunk: int) -> bool:
-    """False for a SLIDING chunk no lookup can read.
+    """False for a SLIDING chunk no lookup at a segment end can read.
 
-    Lookups end on segment ends (multiples of ``a`` chunks), where a group reads the last
-    W chunks of the segment and, if it is a draft group, the first chunk of the next one:
-    W + e chunks per segment, shifted by e. (Keeping the segment's last W + 1 instead,
-    as upstream's fix for #53951 does, stores a chunk no lookup reads and never the extra
-    chunk a draft lookup needs, so a draft window group would never be served.)
+    The kept chunks are derived from the lookup rule (``OffloadConfig.kept_offsets``):
+    for a draft group they include the first chunk of the next segment (its extra chunk),
+    and for an engine that keeps ``extra_retained_tokens`` they reach further back.
+    Keeping "the segment's last W + 1" instead, as upstream's fix for #53951 does,
+    stores a chunk no lookup reads and never the extra chunk a draft lookup needs.
+    The trade-off is deliberate: a hit is rounded down to a segment end, so a request
+    whose draft tail keeps the last segment end out of reach is served one segment less.
     """
     a = cfg.alignment_chunks(group)
-    if a is None:
+    kept = cfg.kept_offsets(group)
+    if a is None or kept is None:
         return True
-    g = cfg.groups[group]
-    window = g.window_chunks
-    assert_int(window)
-    e = g.extra_chunks
-    return (chunk - e) % a >= a - (window + e)  # type: ignore[operator]
+    return chunk % a in kept
 
 
 def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, storable: int,
@@ -96,7 +95,10 @@ def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, stor
         if last >= len(table):
             raise ValueError(f"group {group}: block table has {len(table)} blocks, chunk "
                              f"{chunk} needs position {last}; pass every allocated block")
-        if table[last] == 0:
+        if 0 in table[chunk * bpc:last + 1]:
+            # Only whole chunks are stored: a chunk with a null sub-block (outside the
+            # window, or a stale block that was zeroed) would leave CPU bytes unwritten
+            # that a later load starting mid-chunk reads.
             skipped[chunk] = Skip.NULL
         elif not chunk_reachable(cfg, group, chunk):
             skipped[chunk] = Skip.UNREACHABLE

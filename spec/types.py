@@ -173,17 +173,32 @@ class OffloadConfig:
     def alignment_chunks(self, group: int) -> int | None:
         """a: the store-skip period of a SLIDING group, or None when every chunk is kept.
 
-        Loads end on full-attention chunk boundaries when exactly one full-attention chunk
-        size exists, so inside each segment of ``a = A / o`` chunks only the ``W + e``
-        around the segment end can ever be read by a lookup; the others are not stored.
+        With exactly one full-attention chunk size A, a fully stored prefix is found again
+        at a segment end (a multiple of A, or one token before it under the N - 1 limit),
+        so inside each segment of ``a = A / o`` chunks only those a lookup at such a
+        boundary reads are worth storing (``kept_offsets``).
         """
-        return self._alignment[group]
+        rule = self._alignment[group]
+        return None if rule is None else rule[0]
+
+    def kept_offsets(self, group: int) -> frozenset[int] | None:
+        """Chunk offsets within a segment that the keep rule stores (None: all of them)."""
+        rule = self._alignment[group]
+        return None if rule is None else rule[1]
 
     @cached_property
-    def _alignment(self) -> tuple[int | None, ...]:
+    def _alignment(self) -> tuple[tuple[int, frozenset[int]] | None, ...]:
         return tuple(self._compute_alignment(i) for i in range(len(self.groups)))
 
-    def _compute_alignment(self, group: int) -> int | None:
+    def _compute_alignment(self, group: int) -> tuple[int, frozenset[int]] | None:
+        """The keep rule, derived from the lookup rule itself (``needed_chunks``).
+
+        The kept offsets are the chunks a lookup needs at ``kA - 1`` and ``kA``, for a
+        segment far enough from 0 that nothing is clipped; they repeat every segment.
+        It is off when MAMBA state exists only at ends that are not segment ends.
+        """
+        from kvcore.spec.lookup import needed_chunks  # lookup imports this module
+
         g = self.groups[group]
         if not self.store_alignment or g.kind is not GroupKind.SLIDING:
             return None
@@ -192,14 +207,19 @@ class OffloadConfig:
             return None
         (a_tokens,) = full_sizes
         o = g.tokens_per_chunk
-        window = g.window_chunks
-        assert_int(window)
-        if a_tokens <= o or a_tokens % o != 0:
+        mamba = self.mamba_align_tokens
+        if a_tokens <= o or a_tokens % o != 0 or (mamba is not None and a_tokens % mamba):
             return None
         a = a_tokens // o
-        if window + g.extra_chunks >= a:  # type: ignore[operator]
+        k = cdiv(g.reach_tokens, a_tokens) + 2
+        kept: set[int] = set()
+        for boundary in (k * a_tokens - 1, k * a_tokens):
+            rng = needed_chunks(g, boundary, 0)
+            if rng is not None:
+                kept.update(c % a for c in range(*rng))
+        if len(kept) >= a:
             return None
-        return a
+        return a, frozenset(kept)
 
 
 def _check_positive(name: str, value: object, hint: str, upper: int | None = None) -> None:
