@@ -368,10 +368,12 @@ def _runs(positions: Sequence[int], bpc: int) -> list[list[int]]:
 
 
 def s2_store_runs(r: PlanRecord) -> list[Violation]:
-    """S2: within a group, a store is one run per chunk; only the first run may be short.
+    """S2: within a group, a store is one whole run per chunk.
 
-    The copy path maps GPU blocks to CPU sub-blocks sequentially; any other shape puts
-    bytes in the wrong sub-block of the wrong chunk.
+    DESIGN allows a short first run; kvcore stores whole chunks only, because a chunk
+    stored with null leading sub-blocks leaves CPU bytes unwritten that a later load
+    starting mid-chunk reads. The copy path maps GPU blocks to CPU sub-blocks
+    sequentially; any other shape puts bytes in the wrong sub-block of the wrong chunk.
     """
     if r.plan.kind is not JobKind.STORE or r.positions is None:
         return []
@@ -380,12 +382,10 @@ def s2_store_runs(r: PlanRecord) -> list[Violation]:
         bpc = r.config.groups[i].blocks_per_chunk
         runs = _runs(positions, bpc)
         for n, run in enumerate(runs):
-            contiguous = run == list(range(run[0], run[0] + len(run)))
-            ends_at_chunk_end = run[-1] % bpc == bpc - 1
-            full = len(run) == bpc
-            if not (contiguous and ends_at_chunk_end and (full or n == 0)):
+            whole = run == list(range(run[0], run[0] + bpc)) and run[0] % bpc == 0
+            if not whole:
                 out.append(Violation("S2", f"job {r.plan.job_id} group {i}: run {n} "
-                                     f"{run} is not a {'tail' if n == 0 else 'whole'} chunk",
+                                     f"{run} is not a whole chunk of {bpc} blocks",
                                      {"job": r.plan.job_id, "group": i, "run": run}))
         chunks = [run[0] // bpc for run in runs]
         if chunks != sorted(set(chunks)):

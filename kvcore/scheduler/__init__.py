@@ -1,6 +1,13 @@
 """The scheduler: lookup, load, store and job rules, split by concern."""
 
-from kvcore.scheduler._types import (
+from kvcore.scheduler.scheduler import OffloadScheduler
+from kvcore.spec.errors import (
+    BadReportError,
+    BadStepError,
+    UnknownJobError,
+    UnknownRequestError,
+)
+from kvcore.spec.hooks import (
     KeyEvent,
     LoadFailure,
     OutputResult,
@@ -10,13 +17,6 @@ from kvcore.scheduler._types import (
     StepInput,
     StepPlan,
     WorkerReport,
-)
-from kvcore.scheduler.scheduler import OffloadScheduler
-from kvcore.spec.errors import (
-    BadReportError,
-    BadStepError,
-    UnknownJobError,
-    UnknownRequestError,
 )
 
 __all__ = [

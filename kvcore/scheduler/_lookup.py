@@ -46,11 +46,11 @@ def lookup_order(cfg: OffloadConfig) -> tuple[int, ...]:
     """
     full = [i for i, g in enumerate(cfg.groups) if g.kind is GroupKind.FULL]
     windows = [i for i, g in enumerate(cfg.groups) if g.kind is not GroupKind.FULL]
-    windows.sort(key=lambda i: -_reach_chunks(cfg.groups[i]) * cfg.groups[i].tokens_per_chunk)
+    windows.sort(key=lambda i: -reach_chunks(cfg.groups[i]) * cfg.groups[i].tokens_per_chunk)
     return tuple(full + windows)
 
 
-def _reach_chunks(g: GroupSpec) -> int:
+def reach_chunks(g: GroupSpec) -> int:
     """Chunks a window group needs ending at an aligned boundary (before the draft extra)."""
     if g.kind is GroupKind.MAMBA:
         return 1
@@ -90,7 +90,7 @@ def largest_supported(g: GroupSpec, group: int, bound: int, computed: int, num_k
         return 0, (first, first)
     # Window groups: scan aligned boundaries k * o below ``bound`` from the right, jumping
     # past each miss; every key is read at most once.
-    need = _reach_chunks(g)
+    need = reach_chunks(g)
     k = min((bound - 1) // o, num_keys - extra)
     while k * o > computed:
         start, end = max(first, k - need), k + extra

@@ -11,13 +11,15 @@ hands each hook's records to ``kvcore.spec.invariants``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvcore.scheduler import _store
 from kvcore.scheduler._checks import checks_enabled, enforce
-from kvcore.scheduler._lookup import Convergence, converge
+from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
 from kvcore.scheduler._state import Job, JobTable, RequestState
-from kvcore.scheduler._types import (
+from kvcore.spec.errors import BadReportError, BadStepError, UnknownJobError, UnknownRequestError
+from kvcore.spec.hooks import (
     KeyEvent,
     LoadFailure,
     OutputResult,
@@ -28,9 +30,9 @@ from kvcore.scheduler._types import (
     StepPlan,
     WorkerReport,
 )
-from kvcore.spec.errors import BadReportError, BadStepError, UnknownJobError, UnknownRequestError
 from kvcore.spec.invariants import (
     CompletionRecord,
+    CursorMoveRecord,
     FailureRecord,
     FenceRecord,
     JobTableRecord,
@@ -43,6 +45,7 @@ from kvcore.spec.invariants import (
 from kvcore.spec.load import load_plan
 from kvcore.spec.lookup import served_chunks
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
+from kvcore.spec.store import Skip
 from kvcore.spec.types import (
     PENDING,
     GroupKind,
@@ -182,7 +185,7 @@ class OffloadScheduler:
                 self.manager.touch(keys)
             else:
                 hit_chunks = boundary // g.tokens_per_chunk
-                reach = (g.window_chunks or 1) + g.extra_chunks
+                reach = reach_chunks(g) + g.extra_chunks
                 self.manager.touch(keys[max(0, hit_chunks - reach):])
 
     # -- loads --------------------------------------------------------------------------
@@ -196,6 +199,10 @@ class OffloadScheduler:
         many leading blocks of each already hold valid KV on the GPU.
         """
         req = self._req(request_id)
+        n = len(self.config.groups)
+        if len(block_ids) != n or len(valid_blocks) != n:
+            raise BadStepError(f"request {request_id!r}: {len(block_ids)} block tables and "
+                               f"{len(valid_blocks)} valid counts for {n} groups")
         if load_tokens == 0:
             return None
         if req.jobs:
@@ -212,28 +219,33 @@ class OffloadScheduler:
         self._jobs.add(Job(plan))
         req.jobs.add(plan.job_id)
         boundary = computed_tokens + load_tokens
+        moves: list[object] = []
         if self.config.store_level is StoreLevel.BLOCK:
+            # The request hit every chunk below the boundary (on the GPU or in this tier):
+            # whoever computed them stored them, so the cursor passes them.
             for group, g in enumerate(self.config.groups):
-                req.cursors[group] = max(req.cursors[group], cdiv(boundary, g.tokens_per_chunk))
+                old, new = req.cursors[group], cdiv(boundary, g.tokens_per_chunk)
+                req.cursors[group] = max(old, new)
+                moves.append(CursorMoveRecord(group, old, req.cursors[group], frozenset(),
+                                              dict.fromkeys(range(old, new), Skip.HIT)))
         self._queued_loads.append(plan)
         self._stats.loads += 1
         self._stats.chunks_loaded += len(flat)
         if self.check:
             ranges = tuple((gl.first_chunk, gl.end_chunk) for gl in loads)
             self._enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
-                     PlanRecord(self.config, plan)])
+                           PlanRecord(self.config, plan), *moves])
         return plan
 
     # -- the step -----------------------------------------------------------------------
 
     def build_step(self, step: StepInput) -> StepPlan:
-        """Apply the step's block allocations and return loads, stores and flushes."""
-        n = len(self.config.groups)
-        for sr in step.requests:
-            req = self._req(sr.request_id)
-            if sr.new_block_ids and len(sr.new_block_ids) != n:
-                raise BadStepError(f"request {sr.request_id!r}: {len(sr.new_block_ids)} "
-                                   f"block lists for {n} groups")
+        """Apply the step's block allocations and return loads, stores and flushes.
+
+        The whole step is validated before anything changes, so a rejected step leaves
+        the scheduler as it was.
+        """
+        self._validate_step(step)
         self._zero_stale_window_blocks(step.allocated_ids)
         flush: set[int] = self._jobs.jobs_reading(step.allocated_ids)
         for request_id in step.preempted:
@@ -254,6 +266,38 @@ class OffloadScheduler:
                 stores.append(plan)
         loads, self._queued_loads = tuple(self._queued_loads), []
         return StepPlan(loads, tuple(stores), tuple(sorted(flush)))
+
+    def _validate_step(self, step: StepInput) -> None:
+        for request_id in step.preempted:
+            self._req(request_id)
+        for sr in step.requests:
+            self._validate_scheduled(self._req(sr.request_id), sr,
+                                     sr.request_id in step.preempted)
+
+    def _validate_scheduled(self, req: RequestState, sr: ScheduledRequest,
+                            preempted: bool) -> None:
+        """Reject a scheduled request whose numbers cannot be right (no state changes)."""
+        cfg, rid = self.config, sr.request_id
+        if sr.new_block_ids and len(sr.new_block_ids) != len(cfg.groups):
+            raise BadStepError(f"request {rid!r}: {len(sr.new_block_ids)} block lists for "
+                               f"{len(cfg.groups)} groups")
+        if min(sr.scheduled_tokens, sr.computed_tokens, sr.num_tokens) < 0:
+            raise BadStepError(f"request {rid!r}: negative token counts in {sr}")
+        hashes = len(req.hashes) + len(sr.new_hashes)
+        if sr.num_tokens // cfg.hash_block_tokens > hashes:
+            raise BadStepError(f"request {rid!r}: num_tokens={sr.num_tokens} but only "
+                               f"{hashes} hashes of {cfg.hash_block_tokens} tokens were given; "
+                               "pass new hashes in new_hashes or add_hashes")
+        if preempted:
+            return
+        frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
+        for group, g in enumerate(cfg.groups):
+            have = 0 if sr.resumed else len(req.tables[group])
+            have += len(sr.new_block_ids[group]) if sr.new_block_ids else 0
+            if have < cdiv(frontier, g.tokens_per_block):
+                raise BadStepError(f"request {rid!r}: group {group} has {have} blocks, but "
+                                   f"{cdiv(frontier, g.tokens_per_block)} hold its "
+                                   f"{frontier} computed tokens; pass every allocated block")
 
     def _apply_blocks(self, req: RequestState, sr: ScheduledRequest) -> None:
         if sr.new_hashes:
@@ -417,9 +461,12 @@ class OffloadScheduler:
         Reports for jobs issued before the reset are ignored afterwards; every tracked
         request stores again from its first chunk.
         """
+        if self._queued_loads:
+            raise BadStepError("reset() between after_alloc and build_step: loads "
+                               f"{[p.job_id for p in self._queued_loads]} were queued but not "
+                               "handed to the workers; reset between steps")
         flush = tuple(sorted(self._jobs.jobs))
         self._jobs.clear()
-        self._queued_loads = []
         self.manager.reset()
         for request_id in [r for r, req in self._reqs.items() if req.finished]:
             del self._reqs[request_id]
@@ -434,7 +481,8 @@ class OffloadScheduler:
                 for e in self.manager.take_events() for key in e.keys]
 
     def stats(self) -> SchedulerStats:
-        return self._stats
+        """A snapshot of the counters (a copy: later steps do not change it)."""
+        return replace(self._stats, extra=dict(self._stats.extra))
 
     def has_pending_work(self) -> bool:
         """True while jobs are in flight: the engine keeps stepping until they settle."""

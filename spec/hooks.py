@@ -1,6 +1,8 @@
 """Plain data crossing the engine/scheduler seam: what each hook takes and returns.
 
 No engine types: an engine adapts its own request and scheduler-output objects to these.
+They live in the spec so the implementation and the reference model take and return the
+very same values, and refinement compares them directly.
 """
 
 from __future__ import annotations

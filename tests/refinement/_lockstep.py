@@ -1,0 +1,138 @@
+"""Run the implementation and the reference model side by side, comparing every answer.
+
+``Lockstep`` has the scheduler's hook methods; each call goes to ``OffloadScheduler`` and
+to ``kvcore.spec.model.ReferenceScheduler`` with the same arguments, and then asserts that
+both returned the same value (or raised the same kind of error) and that their observable
+state agrees: tracked requests, cursors, jobs, stats, and the CPU tier's contents, slots,
+LRU order and stats. The two return their own dataclasses with the same fields, so values
+are compared as ``dataclasses.astuple``. The engine can drive a ``Lockstep`` as it drives
+either scheduler alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from kvcore.spec.errors import InvariantViolation
+
+
+def plain(value: Any) -> Any:
+    """A value as comparable plain data: dataclasses become (class name, fields)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value).__name__, dataclasses.astuple(value)
+    if isinstance(value, list | tuple):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
+def observable(s: Any) -> dict[str, Any]:
+    """What a scheduler shows of its state: requests, cursors, jobs, stats, manager stats."""
+    return {
+        "requests": {r: (s.cursors(r), sorted(s.jobs_of(r))) for r in sorted(s.tracked_requests())},
+        "pending": s.has_pending_work(),
+        "stats": plain(s.stats()),
+        "manager": s.manager.stats(),
+    }
+
+
+def manager_contents(impl: Any, model: Any) -> tuple[Any, Any]:
+    """(impl, model) views of every stored key's state and slot, plus LRU order."""
+    keys = sorted(model.state)
+    mine = [(k, impl.state_of(k), impl.slot_of(k)) for k in keys]
+    theirs = [(k, model.state_of(k), model.slot_of(k)) for k in keys]
+    order = getattr(impl.policy, "order", None)
+    mine_order = order() if order is not None else None
+    theirs_order = tuple(model.recency) if order is not None else None
+    return (mine, impl.stats().used, mine_order), (theirs, model.stats().used, theirs_order)
+
+
+class LockstepError(AssertionError):
+    """The implementation and the reference model disagreed."""
+
+
+class Lockstep:
+    """Both schedulers behind one set of hooks; every call is compared."""
+
+    def __init__(self, impl: Any, model: Any) -> None:
+        self.impl = impl
+        self.model = model
+
+    def _both(self, name: str, *args: Any) -> Any:
+        got = _outcome(lambda: getattr(self.impl, name)(*args))
+        want = _outcome(lambda: getattr(self.model, name)(*args))
+        if got[0] == "error" and isinstance(got[1], AssertionError):
+            raise got[1]
+        if want[0] == "error" and isinstance(want[1], AssertionError):
+            raise want[1]
+        if got[0] == "ok" and want[0] == "ok":
+            if plain(got[1]) != plain(want[1]):
+                raise LockstepError(f"{name}{args!r}:\n  implementation -> {got[1]!r}\n"
+                                    f"  model          -> {want[1]!r}")
+        elif _error_kind(got) != _error_kind(want):
+            raise LockstepError(f"{name}{args!r}:\n  implementation -> {got[1]!r}\n"
+                                f"  model          -> {want[1]!r}")
+        self.compare_state(name)
+        if got[0] == "error":
+            raise got[1]
+        return got[1]
+
+    def compare_state(self, after: str) -> None:
+        mine, theirs = observable(self.impl), observable(self.model)
+        if mine != theirs:
+            diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+            raise LockstepError(f"after {after}: observable state differs "
+                                f"(implementation, model): {diff}")
+        got, want = manager_contents(self.impl.manager, self.model.manager)
+        if got != want:
+            raise LockstepError(f"after {after}: CPU tier contents differ:\n  {got}\n  {want}")
+
+    # -- the hooks -------------------------------------------------------------------------
+
+    def add_request(self, info: Any) -> None:
+        self._both("add_request", info)
+
+    def add_hashes(self, request_id: str, hashes: Any) -> None:
+        self._both("add_hashes", request_id, hashes)
+
+    def lookup(self, request_id: str, computed: int, num_tokens: int) -> Any:
+        return self._both("lookup", request_id, computed, num_tokens)
+
+    def after_alloc(self, request_id: str, block_ids: Any, valid: Any, computed: int,
+                    load_tokens: int) -> Any:
+        return self._both("after_alloc", request_id, block_ids, valid, computed, load_tokens)
+
+    def build_step(self, step: Any) -> Any:
+        return self._both("build_step", step)
+
+    def worker_output(self, reports: Any) -> Any:
+        return self._both("worker_output", list(reports))
+
+    def request_finished(self, request_id: str) -> None:
+        self._both("request_finished", request_id)
+
+    def reset(self) -> Any:
+        return self._both("reset")
+
+    def take_events(self) -> Any:
+        return self._both("take_events")
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "ok", call()
+    except (InvariantViolation, AssertionError) as e:
+        return "error", e
+    except Exception as e:  # compared by kind below, then re-raised
+        return "error", e
+
+
+def _error_kind(outcome: tuple[str, Any]) -> tuple[str, ...]:
+    """An outcome's comparable kind: ok, or the error's class name and builtin base."""
+    if outcome[0] == "ok":
+        return ("ok",)
+    e = outcome[1]
+    base = "KeyError" if isinstance(e, KeyError) else "ValueError" if isinstance(
+        e, ValueError) else type(e).__name__
+    return ("error", type(e).__name__, base)
