@@ -342,6 +342,9 @@ class Simulator:
                 if table[pos]:
                     for t in self.gpu[group]:
                         t[table[pos]].fill_(junk)
+            # Rewritten positions are not final any more (a drafter may rewrite a chunk that
+            # a load had just filled); they are finalised again once the frontier passes.
+            req.final_upto[group] = min(req.final_upto[group], final_end)
 
     def _sample(self, req: SimRequest, n: int) -> None:
         if n == 0 or req.state != "running":
