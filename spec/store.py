@@ -109,7 +109,11 @@ def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, stor
 
 def chunk_source_blocks(table: Sequence[int], chunk: int, blocks_per_chunk: int
                         ) -> tuple[int, tuple[int, ...]]:
-    """(first position, ids) of a chunk's real GPU blocks; leading nulls are dropped (S2)."""
+    """(first position, ids) of a chunk's GPU blocks.
+
+    Stores offer only whole chunks (``group_offer``), so for them nothing is dropped; the
+    leading-null skip keeps the function total for any table (S2 then reports a short run).
+    """
     start = chunk * blocks_per_chunk
     ids = table[start:start + blocks_per_chunk]
     skip = 0

@@ -193,8 +193,9 @@ class OffloadConfig:
     def _compute_alignment(self, group: int) -> tuple[int, frozenset[int]] | None:
         """The keep rule, derived from the lookup rule itself (``needed_chunks``).
 
-        The kept offsets are the chunks a lookup needs at ``kA - 1`` and ``kA``, for a
-        segment far enough from 0 that nothing is clipped; they repeat every segment.
+        The kept offsets are the chunks a lookup needs at ``kA - 1``, ``kA`` and (with
+        Mamba groups) ``kA - 1`` rounded down to a Mamba chunk end, for a segment far
+        enough from 0 that nothing is clipped; they repeat every segment.
         It is off when MAMBA state exists only at ends that are not segment ends.
         """
         from kvcore.spec.lookup import needed_chunks  # lookup imports this module
@@ -212,8 +213,12 @@ class OffloadConfig:
             return None
         a = a_tokens // o
         k = cdiv(g.reach_tokens, a_tokens) + 2
+        ends = [k * a_tokens - 1, k * a_tokens]
+        if mamba is not None:
+            # Under the N - 1 limit, Mamba rounds the boundary down to its own chunk end.
+            ends.append(ends[0] - ends[0] % mamba)
         kept: set[int] = set()
-        for boundary in (k * a_tokens - 1, k * a_tokens):
+        for boundary in ends:
             rng = needed_chunks(g, boundary, 0)
             if rng is not None:
                 kept.update(c % a for c in range(*rng))

@@ -385,6 +385,10 @@ KEEP_RULE_FIXED = [
         (GroupSpec(FULL, 16), GroupSpec(SLIDING, 1, window_tokens=4)),
         1, 32, (16, 31),
         id="1-token window chunks: the N-1 limit ends the hit one chunk before the segment end"),
+    pytest.param(
+        (GroupSpec(FULL, 16), GroupSpec(SLIDING, 4, window_tokens=4), GroupSpec(MAMBA, 8)),
+        4, 32, (16, 24),
+        id="Mamba rounds the N-1 limit down to kA - m, mid-segment"),
 ]
 
 
