@@ -102,7 +102,7 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
             return
         finally:
             sim.transfer.close()
-            for source in (sim.scheduler.checked, sim.checked):
+            for source in (sim.scheduler.checked, sim.checked, sim.manager.checked):
                 for key, n in source.items():
                     result.checked[key] = result.checked.get(key, 0) + n
 

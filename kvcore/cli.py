@@ -13,6 +13,7 @@ import json
 import re
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch warns at first use that NumPy is absent; kvcore does not need NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

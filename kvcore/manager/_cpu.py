@@ -79,6 +79,8 @@ class CPUOffloadManager(OffloadManager):
         self._evictions = 0
         self._stores_skipped_no_room = 0
         self._stored_keys = 0
+        # Predicate evaluations per invariant id, for reports (``kvcore check``).
+        self.checked: dict[str, int] = {}
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -268,6 +270,7 @@ class CPUOffloadManager(OffloadManager):
             returned_none=returned_none,
             changed_state=before != self._fingerprint(),
         )
+        self.checked["M1"] = self.checked.get("M1", 0) + 1
         violations = m1_eviction_safe(record)
         if violations:
             raise InvariantViolation(violations)

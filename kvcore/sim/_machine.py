@@ -72,7 +72,7 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
                     raise AssertionError(f"run did not settle in {SETTLE_STEPS} steps")
             finally:
                 if tally is not None:
-                    for source in (sim.scheduler.checked, sim.checked):
+                    for source in (sim.scheduler.checked, sim.checked, sim.manager.checked):
                         for key, n in source.items():
                             tally[key] = tally.get(key, 0) + n
                 sim.transfer.close()

@@ -66,4 +66,5 @@ def simulate(config: OffloadConfig, options: SimOptions, *, check: bool = True,
         bytes_loaded=stats.bytes_loaded, deferrals=stats.deferrals,
         failed_loads=counters.failed_loads, failed_stores=counters.failed_stores,
         loads_verified=counters.loads_verified, blocks_verified=counters.blocks_verified,
-        invariants_checked=dict(sorted(sim.scheduler.checked.items())))
+        invariants_checked=dict(sorted({**sim.scheduler.checked, **sim.checked,
+                                         **sim.manager.checked}.items())))
