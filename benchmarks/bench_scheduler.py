@@ -64,7 +64,8 @@ class Bench:
         self.manager = CPUOffloadManager(self.cfg.num_cpu_blocks, check=check)
         self.sched = OffloadScheduler(self.cfg, self.manager, check=check)
         self.context = context
-        self.tokens = {}
+        self.tokens: dict[str, int] = {}
+        self.allocated: dict[str, int] = {}  # tokens the request's blocks cover
         self.next_id = 1
         hbt = self.cfg.hash_block_tokens
         for r in range(requests):
@@ -73,6 +74,7 @@ class Bench:
             rid = f"r{r}"
             self.sched.add_request(RequestInfo(rid, context, tuple(hashes_for(r, context, hbt))))
             self.tokens[rid] = context
+            self.allocated[rid] = context
             prefill = ScheduledRequest(rid, context, 0, context, self.blocks(0, context))
             self.settle(self.sched.build_step(StepInput((prefill,))))
 
@@ -92,11 +94,14 @@ class Bench:
         hbt = self.cfg.hash_block_tokens
         step = []
         for r, (rid, n) in enumerate(self.tokens.items()):
-            upto = n + 1 + SPEC_TOKENS
-            old_hashes, new_n = n // hbt, n + 1 + SPEC_TOKENS // 2 + 1
-            fresh = hashes_for(r, new_n, hbt, old_hashes)
-            step.append(ScheduledRequest(rid, 1 + SPEC_TOKENS, n - 1, n,
-                                         self.blocks(n + SPEC_TOKENS, upto + SPEC_TOKENS),
+            # The last sampled token plus SPEC_TOKENS drafts are computed this step; all
+            # drafts are accepted (the most chunk completions, so the most stores).
+            upto = n + SPEC_TOKENS
+            new_blocks = self.blocks(self.allocated[rid], max(upto, self.allocated[rid]))
+            self.allocated[rid] = max(upto, self.allocated[rid])
+            new_n = n + 1 + SPEC_TOKENS
+            fresh = hashes_for(r, new_n, hbt, n // hbt)
+            step.append(ScheduledRequest(rid, 1 + SPEC_TOKENS, n - 1, n, new_blocks,
                                          tuple(fresh)))
             self.tokens[rid] = new_n
         start = time.perf_counter()
