@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.spec.lookup import HitMap, needed_chunks, served_chunks, spec_hit
+from kvcore.spec.lookup import HitMap, served_chunks, spec_hit
 from kvcore.spec.plans import JobKind, TransferPlan, chunks_spanned
 from kvcore.spec.store import Skip, chunk_reachable
 from kvcore.spec.types import PENDING, Key, LookupResult, OffloadConfig, Status, cdiv
@@ -509,9 +509,3 @@ def check(records: Sequence[object]) -> list[Violation]:
         for predicate in PREDICATES.get(type(record), ()):
             out.extend(predicate(record))
     return out
-
-
-def needed_range(config: OffloadConfig, group: int, boundary: int, computed: int
-                 ) -> tuple[int, int] | None:
-    """Re-export of the lookup's needed chunk range, for trace builders."""
-    return needed_chunks(config.groups[group], boundary, computed)

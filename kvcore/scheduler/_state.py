@@ -26,7 +26,6 @@ class RequestState:
     cursors: list[int]
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
-    hit_chunks: list[int] = field(default_factory=list)
 
     def extend_keys(self, cfg: OffloadConfig) -> None:
         """Append keys for chunks completed by new hashes (only the new ones are built)."""

@@ -29,7 +29,7 @@ from kvcore.scheduler._checks import enforce
 from kvcore.sim import _kv
 from kvcore.sim._workload import PromptSource, SimOptions
 from kvcore.spec.invariants import FailureRecord
-from kvcore.spec.plans import JobKind, TransferPlan, sub_block_position
+from kvcore.spec.plans import TransferPlan, sub_block_position
 from kvcore.spec.types import GroupKind, OffloadConfig, Status, cdiv
 from kvcore.transfer import TransferEngine
 
@@ -526,7 +526,3 @@ class Simulator:
         self.load_plans.clear()
         self.store_plans.clear()
         self.failed_jobs.clear()
-
-    def counters_of(self, kind: JobKind) -> int:
-        stats = self.scheduler.stats()
-        return stats.loads if kind is JobKind.LOAD else stats.stores
