@@ -21,13 +21,14 @@ from kvcore.scheduler import (
     StepInput,
     StepPlan,
     _lookup,
+    _rules,
     _store,
 )
 from kvcore.scheduler import scheduler as _sched
+from kvcore.scheduler._rules import GroupOffer
 from kvcore.scheduler._state import JobTable
-from kvcore.spec import store as spec_store
 from kvcore.spec.plans import GroupTransfer, TransferPlan
-from kvcore.spec.store import GroupOffer, Skip
+from kvcore.spec.store import Skip
 from kvcore.spec.types import OffloadConfig
 
 Factory = Callable[..., OffloadScheduler]
@@ -50,7 +51,7 @@ class Mutant:
 def _offer_patch(wrap: Callable[..., GroupOffer]) -> Callable[[], Any]:
     @contextlib.contextmanager
     def apply() -> Iterator[None]:
-        original = spec_store.group_offer
+        original = _rules.group_offer
         with mock.patch.object(_store, "group_offer", functools.partial(wrap, original)):
             yield None
     return apply

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvcore.scheduler._rules import lookup_limit, needed_chunks
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import TraceEntry, Violation
-from kvcore.spec.lookup import lookup_limit, needed_chunks
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, cdiv
 
 # is_hit(group, chunk_index) -> bool; PENDING has already been read as HIT or MISS.

@@ -1,7 +1,7 @@
 """Building one request's store job for one step.
 
-The rules (what to offer, where the cursor may go) are the spec's own functions in
-``kvcore.spec.store``; this module only gathers keys and GPU ids for what the manager
+The rules (what to offer, where the cursor may go) are kvcore's own, in
+``kvcore.scheduler._rules``; this module only gathers keys and GPU ids for what the manager
 accepted, and returns the cursor moves for the scheduler to apply.
 """
 
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcore.scheduler._state import RequestState
-from kvcore.spec.invariants import CursorMoveRecord, PlanRecord, StoreOfferRecord
-from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
-from kvcore.spec.store import (
+from kvcore.scheduler._rules import (
     GroupOffer,
     chunk_source_blocks,
     group_offer,
     storable_prefix,
 )
+from kvcore.scheduler._state import RequestState
+from kvcore.spec.invariants import CursorMoveRecord, PlanRecord, StoreOfferRecord
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import GroupKind, Key, OffloadConfig
 
 

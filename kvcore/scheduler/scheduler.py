@@ -17,6 +17,7 @@ from typing import Any
 from kvcore.scheduler import _store
 from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
+from kvcore.scheduler._rules import load_plan, served_chunks
 from kvcore.scheduler._state import Job, JobTable, RequestState
 from kvcore.spec.errors import BadReportError, BadStepError, UnknownJobError, UnknownRequestError
 from kvcore.spec.hooks import (
@@ -42,8 +43,6 @@ from kvcore.spec.invariants import (
     LookupTraceRecord,
     PlanRecord,
 )
-from kvcore.spec.load import load_plan
-from kvcore.spec.lookup import served_chunks
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.store import Skip
 from kvcore.spec.types import (

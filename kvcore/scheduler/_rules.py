@@ -1,0 +1,225 @@
+"""kvcore's own store, load and lookup-range rules (DESIGN.md, "Store", "Load", "Lookup").
+
+These are the implementation's rules. ``kvcore.spec`` keeps an independent reference
+written from the same semantics (``kvcore.spec.model``) and the invariant predicates;
+the two share types and errors only, so a bug here cannot hide by also being in the
+reference the lock step compares against.
+
+Store: per step the write frontier is ``V = min(computed + scheduled, num_tokens)`` and
+the storable prefix ``U = min(V, max_offload_tokens, prompt_len if prompt_only)``. Chunks
+``[cursor, end)`` are candidates, ``end = U // o`` and, for a draft group, at most
+``V // o - 1`` (E1). The cursor moves to ``end`` and never further (E2: no holes). A
+candidate whose GPU blocks include a null is skipped, and for SLIDING groups so is a chunk
+no lookup at a segment end can read.
+
+Load: for boundary ``T = C + hit`` the blocks to fill run from the first unfilled one to
+``cdiv(T, tokens_per_block)``; every chunk loaded must lie inside the range the lookup
+verified (L1), else the table and the config disagree and that is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcore.spec.errors import BlockTableError, ConfigError
+from kvcore.spec.store import Skip
+from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, assert_int, cdiv
+
+# -- lookup ranges ----------------------------------------------------------------------
+
+def lookup_limit(cfg: OffloadConfig, num_tokens: int) -> int:
+    """The largest boundary a lookup may return.
+
+    With a SLIDING or MAMBA group the last prompt token is always recomputed (its logits are
+    needed and a window cannot be resumed past it); MAMBA state exists only at chunk ends.
+    """
+    limit = num_tokens - 1 if cfg.has_window_groups else num_tokens
+    align = cfg.mamba_align_tokens
+    if align is not None:
+        limit -= limit % align
+    return max(limit, 0)
+
+
+def needed_chunks(g: GroupSpec, boundary: int, computed: int) -> tuple[int, int] | None:
+    """``[lo, hi)``: the chunks group ``g`` must hit to support ``boundary``; None if it cannot.
+
+    ``hi`` includes a draft group's extra chunk. None means the boundary is impossible for
+    the group whatever the hit map (a MAMBA boundary off a chunk end).
+    """
+    o = g.tokens_per_chunk
+    b = cdiv(boundary, o)
+    first_needed = computed // o
+    if g.kind is GroupKind.FULL:
+        lo = first_needed
+    elif g.kind is GroupKind.SLIDING:
+        window = g.window_chunks
+        assert_int(window)
+        reach = min(b - window, (boundary - g.reach_tokens) // o)  # type: ignore[operator]
+        lo = max(first_needed, reach)
+    else:
+        if boundary % o != 0:
+            return None
+        lo = max(first_needed, b - 1)
+    return lo, b + g.extra_chunks
+
+
+def served_chunks(g: GroupSpec, boundary: int, computed: int) -> tuple[int, int] | None:
+    """The chunks a load at ``boundary`` may read: the needed ones minus the draft extra."""
+    rng = needed_chunks(g, boundary, computed)
+    if rng is None:
+        return None
+    return rng[0], rng[1] - g.extra_chunks
+
+
+# -- store ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GroupOffer:
+    """One group's candidates this step: offered chunk indices and the skipped ones."""
+
+    old_cursor: int
+    new_cursor: int
+    offered: tuple[int, ...] = ()
+    skipped: dict[int, Skip] = field(default_factory=dict)
+
+
+def storable_prefix(cfg: OffloadConfig, frontier: int, prompt_tokens: int,
+                    request_max_tokens: int | None) -> int:
+    """U: the tokens whose chunks may be stored this step."""
+    limit = frontier
+    if cfg.max_offload_tokens is not None:
+        limit = min(limit, cfg.max_offload_tokens)
+    if request_max_tokens is not None:
+        limit = min(limit, request_max_tokens)
+    if cfg.prompt_only:
+        limit = min(limit, prompt_tokens)
+    return max(limit, 0)
+
+
+def store_end(cfg: OffloadConfig, group: int, frontier: int, storable: int) -> int:
+    """The first chunk index not yet storable for ``group``."""
+    g = cfg.groups[group]
+    o = g.tokens_per_chunk
+    end = storable // o
+    if g.is_draft:
+        end = min(end, max(frontier // o - 1, 0))
+    return end
+
+
+def chunk_reachable(cfg: OffloadConfig, group: int, chunk: int) -> bool:
+    """False for a SLIDING chunk no lookup at a segment end can read.
+
+    The kept chunks are derived from the lookup rule (``OffloadConfig.kept_offsets``):
+    for a draft group they include the first chunk of the next segment (its extra chunk),
+    and for an engine that keeps ``extra_retained_tokens`` they reach further back.
+    Keeping "the segment's last W + 1" instead, as upstream's fix for #53951 does,
+    stores a chunk no lookup reads and never the extra chunk a draft lookup needs.
+    The trade-off is deliberate: a hit is rounded down to a segment end, so a request
+    whose draft tail keeps the last segment end out of reach is served one segment less.
+    """
+    a = cfg.alignment_chunks(group)
+    kept = cfg.kept_offsets(group)
+    if a is None or kept is None:
+        return True
+    return chunk % a in kept
+
+
+def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, storable: int,
+                table: Sequence[int]) -> GroupOffer:
+    """Candidates of one group: each chunk is offered, or skipped with a reason."""
+    end = store_end(cfg, group, frontier, storable)
+    if end <= cursor:
+        return GroupOffer(cursor, cursor)
+    bpc = cfg.groups[group].blocks_per_chunk
+    offered: list[int] = []
+    skipped: dict[int, Skip] = {}
+    for chunk in range(cursor, end):
+        last = chunk * bpc + bpc - 1
+        if last >= len(table):
+            raise ValueError(f"group {group}: block table has {len(table)} blocks, chunk "
+                             f"{chunk} needs position {last}; pass every allocated block")
+        if 0 in table[chunk * bpc:last + 1]:
+            # Only whole chunks are stored: a chunk with a null sub-block (outside the
+            # window, or a stale block that was zeroed) would leave CPU bytes unwritten
+            # that a later load starting mid-chunk reads.
+            skipped[chunk] = Skip.NULL
+        elif not chunk_reachable(cfg, group, chunk):
+            skipped[chunk] = Skip.UNREACHABLE
+        else:
+            offered.append(chunk)
+    return GroupOffer(cursor, end, tuple(offered), skipped)
+
+
+def chunk_source_blocks(table: Sequence[int], chunk: int, blocks_per_chunk: int
+                        ) -> tuple[int, tuple[int, ...]]:
+    """(first position, ids) of a chunk's GPU blocks.
+
+    Stores offer only whole chunks (``group_offer``), so for them nothing is dropped; the
+    leading-null skip keeps the function total for any table (S2 then reports a short run).
+    """
+    start = chunk * blocks_per_chunk
+    ids = table[start:start + blocks_per_chunk]
+    skip = 0
+    while skip < len(ids) and ids[skip] == 0:
+        skip += 1
+    return start + skip, tuple(ids[skip:])
+
+
+# -- load -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """One group's share of a load: chunks ``[first_chunk, end_chunk)`` into these blocks."""
+
+    first_chunk: int
+    end_chunk: int
+    block_index: int
+    gpu_block_ids: tuple[int, ...]
+
+
+def first_unfilled(table: Sequence[int], valid_blocks: int, end: int) -> int:
+    """Index of the first real (non-null) block at or after ``valid_blocks``, else ``end``."""
+    for i in range(valid_blocks, end):
+        if table[i] != 0:
+            return i
+    return end
+
+
+def group_load(cfg: OffloadConfig, group: int, computed: int, hit: int,
+               table: Sequence[int], valid_blocks: int) -> GroupLoad:
+    """The load of one group for boundary ``computed + hit``; raises on a bad table."""
+    g = cfg.groups[group]
+    boundary = computed + hit
+    end = cdiv(boundary, g.tokens_per_block)
+    if len(table) < end:
+        raise BlockTableError(f"group {group}: block table has {len(table)} blocks but "
+                              f"{end} are needed to load up to token {boundary}")
+    start = first_unfilled(table, valid_blocks, end)
+    if start == end:
+        return GroupLoad(0, 0, 0, ())
+    ids = tuple(table[start:end])
+    if 0 in ids:
+        raise BlockTableError(f"group {group}: null block inside the load range "
+                              f"[{start}, {end}) of the block table")
+    first_chunk = start // g.blocks_per_chunk
+    end_chunk = cdiv(boundary, g.tokens_per_chunk)
+    served = served_chunks(g, boundary, computed)
+    if served is None or first_chunk < served[0] or end_chunk > served[1]:
+        lo = served[0] if served else end_chunk
+        raise ConfigError(
+            f"groups[{group}].extra_retained_tokens",
+            f"the block table of group {group} ({g.kind.name}) asks to load chunk "
+            f"{first_chunk}, but the lookup verified chunks from {lo} only; if the engine "
+            "keeps more than window_tokens before the boundary, set extra_retained_tokens")
+    return GroupLoad(first_chunk, end_chunk, start, ids)
+
+
+def load_plan(cfg: OffloadConfig, computed: int, hit: int,
+              tables: Sequence[Sequence[int]], valid_blocks: Sequence[int]) -> list[GroupLoad]:
+    """Every group's load for the hit (the reference for the scheduler's after-alloc hook)."""
+    if len(tables) != len(cfg.groups) or len(valid_blocks) != len(cfg.groups):
+        raise BlockTableError(f"expected {len(cfg.groups)} block tables and valid counts, "
+                              f"got {len(tables)} and {len(valid_blocks)}")
+    return [group_load(cfg, i, computed, hit, tables[i], valid_blocks[i])
+            for i in range(len(cfg.groups))]
