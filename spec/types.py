@@ -9,17 +9,45 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvcore.spec.errors import ConfigError
 
 # A limit on everything (TigerBeetle): these bound what a config may ask for, so that a
-# typo (a window of 10**12 tokens) is an error rather than a slow death.
+# typo (a window of 10**12 tokens, bytes given where blocks are meant) is a ConfigError
+# rather than a slow death or an allocation failure later. Each bound is what real engines
+# use, times a wide margin; each says why.
+
+# vLLM forms one KV group per distinct layer layout; real models have at most about 8
+# (DeepSeek-V4: 4, Gemma-3 and gpt-oss: 2). Every hook's cost grows with the group count.
 MAX_GROUPS = 64
-MAX_TOKENS_PER_BLOCK = 1 << 20
+# The longest contexts engines serve: 1M tokens (DeepSeek, Qwen-1M), 10M (Llama 4 Scout).
+# 2**24 (16.7M) is above all of them; a window, a retained tail or an offload cap longer
+# than any context is a unit mistake.
+MAX_CONTEXT_TOKENS = 1 << 24
+# Attention blocks are 1..256 tokens; hybrid Mamba layouts raise the attention block to
+# about 1K..4K tokens so its page matches the state's. 65536 is 16x the largest.
+MAX_TOKENS_PER_BLOCK = 1 << 16
+# Offload chunks group 1..64 GPU blocks (vLLM's CPU block is a multiple of the GPU block;
+# LMCache uses 256-token chunks). 1024 blocks per chunk is 16x that.
 MAX_BLOCKS_PER_CHUNK = 1 << 10
-MAX_WORKERS = 1 << 12
+# tokens_per_chunk (and so hash_block_tokens, which divides it): a 1M-token chunk already
+# holds a whole DeepSeek context in one transfer; no lookup can hit a larger one.
+MAX_CHUNK_TOKENS = 1 << 20
+# GPU blocks per pool: ~14K for DeepSeek-V4 per stage, ~1M for a 0.5B model at 16-token
+# blocks on a 192 GB GPU, a few million where the block is one token (SGLang page size 1).
+# 2**24 (16.7M) covers these; 10**15 is a typo that would end in a torch allocation error.
+MAX_GPU_BLOCKS = 1 << 24
+# CPU chunks: at 4 KiB per chunk (already tiny) 2**28 chunks pin 1 TiB of host memory,
+# more than the hosts engines run on; real chunks are 100 KiB and up.
+MAX_CPU_BLOCKS = 1 << 28
+# Workers are the engine's world size (TP x PP): 8..128 in the largest single-instance
+# deployments (DeepSeek on 16 nodes x 8 GPUs); 1024 is 8x that.
+MAX_WORKERS = 1 << 10
+# Names are labels in reports and file stems; a path's component is at most 255 bytes.
+MAX_NAME_CHARS = 256
 KEY_GROUP_BYTES = 4
 
 
@@ -149,7 +177,7 @@ class OffloadConfig:
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "groups", _as_groups(self.groups))
         validate_config(self)
 
     # -- derived quantities (pure, recomputed; cheap) --------------------------------
@@ -181,22 +209,24 @@ class OffloadConfig:
         rule = self._alignment[group]
         return None if rule is None else rule[0]
 
-    def kept_offsets(self, group: int) -> frozenset[int] | None:
+    def kept_offsets(self, group: int) -> KeptOffsets | None:
         """Chunk offsets within a segment that the keep rule stores (None: all of them)."""
         rule = self._alignment[group]
         return None if rule is None else rule[1]
 
     @cached_property
-    def _alignment(self) -> tuple[tuple[int, frozenset[int]] | None, ...]:
+    def _alignment(self) -> tuple[tuple[int, KeptOffsets] | None, ...]:
         return tuple(self._compute_alignment(i) for i in range(len(self.groups)))
 
-    def _compute_alignment(self, group: int) -> tuple[int, frozenset[int]] | None:
+    def _compute_alignment(self, group: int) -> tuple[int, KeptOffsets] | None:
         """The keep rule, derived from the lookup rule itself (``needed_chunks``).
 
         The kept offsets are the chunks a lookup needs at ``kA - 1``, ``kA`` and (with
         Mamba groups) ``kA - 1`` rounded down to a Mamba chunk end, for a segment far
         enough from 0 that nothing is clipped; they repeat every segment.
         It is off when MAMBA state exists only at ends that are not segment ends.
+        Each needed range becomes one or two spans modulo ``a``, so the cost is the same
+        for a 128-token window and a 16M-token one (no loop over the window's chunks).
         """
         from kvcore.spec.lookup import needed_chunks  # lookup imports this module
 
@@ -217,63 +247,146 @@ class OffloadConfig:
         if mamba is not None:
             # Under the N - 1 limit, Mamba rounds the boundary down to its own chunk end.
             ends.append(ends[0] - ends[0] % mamba)
-        kept: set[int] = set()
+        spans: list[tuple[int, int]] = []
         for boundary in ends:
             rng = needed_chunks(g, boundary, 0)
-            if rng is not None:
-                kept.update(c % a for c in range(*rng))
+            if rng is None:
+                continue
+            lo, hi = rng
+            if hi - lo >= a:
+                return None  # this range alone covers every offset
+            start = lo % a
+            stop = start + (hi - lo)
+            spans.extend([(start, stop)] if stop <= a else [(start, a), (0, stop - a)])
+        kept = KeptOffsets.of(a, spans)
         if len(kept) >= a:
             return None
-        return a, frozenset(kept)
+        return a, kept
 
 
-def _check_positive(name: str, value: object, hint: str, upper: int | None = None) -> None:
+@dataclass(frozen=True)
+class KeptOffsets:
+    """A set of offsets in ``[0, period)`` held as sorted, disjoint ``[start, stop)`` spans.
+
+    The keep rule's offsets are a few contiguous runs (one per needed range, wrapped at
+    the segment end), as long as the window; spans keep membership and size O(spans)
+    instead of materializing a window's worth of ints.
+    """
+
+    period: int
+    spans: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, period: int, spans: list[tuple[int, int]]) -> KeptOffsets:
+        """Merge overlapping or touching spans (each within ``[0, period]``)."""
+        merged: list[tuple[int, int]] = []
+        for start, stop in sorted(s for s in spans if s[0] < s[1]):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+            else:
+                merged.append((start, stop))
+        return cls(period, tuple(merged))
+
+    def __contains__(self, offset: object) -> bool:
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            return False
+        return any(start <= offset < stop for start, stop in self.spans)
+
+    def __len__(self) -> int:
+        return sum(stop - start for start, stop in self.spans)
+
+    def __iter__(self) -> Iterator[int]:
+        for start, stop in self.spans:
+            yield from range(start, stop)
+
+
+def _show(value: object) -> str:
+    """A value for a message: its repr, cut so a huge string cannot flood the error."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:56] + "...'"
+
+
+def _check_int(name: str, value: object, lo: int, hi: int, hint: str, why: str) -> None:
+    """Raise ConfigError unless ``value`` is an int (not a bool, not a float) in [lo, hi].
+
+    ``why`` is the limit's reason, quoted in the message so the user can judge the bound.
+    """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, f"{name}={value!r} must be an int; {hint}")
-    if value <= 0:
-        raise ConfigError(name, f"{name}={value} must be positive; {hint}")
-    if upper is not None and value > upper:
-        raise ConfigError(name, f"{name}={value} exceeds the limit {upper}; {hint}")
+        raise ConfigError(name, f"{name}={_show(value)} is a {type(value).__name__}, not an "
+                          f"int; {hint}")
+    if value < lo:
+        raise ConfigError(name, f"{name}={value} is below the minimum {lo}; {hint}")
+    if value > hi:
+        raise ConfigError(name, f"{name}={value} exceeds the limit {hi} ({why}); {hint}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    """Raise ConfigError unless ``value`` is exactly True or False.
+
+    A truthy stand-in is never read as a flag: ``"no"`` and ``"false"`` are truthy strings
+    and ``1`` is an int, and each once turned a flag on.
+    """
+    if not isinstance(value, bool):
+        leaf = name.rsplit(".", 1)[-1]
+        raise ConfigError(name, f"{name}={_show(value)} is a {type(value).__name__}, not a "
+                          f"bool; set True or False (in TOML: {leaf} = true or {leaf} = false, "
+                          "without quotes)")
+
+
+def _check_name(name: str, value: object) -> None:
+    if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
+        raise ConfigError(name, f"{name}={_show(value)} must be a str of at most "
+                          f"{MAX_NAME_CHARS} characters (a label for reports)")
+
+
+def _check_window(prefix: str, g: GroupSpec) -> None:
+    if g.kind is GroupKind.SLIDING:
+        _check_int(f"{prefix}.window_tokens", g.window_tokens, 1, MAX_CONTEXT_TOKENS,
+                   "a SLIDING group needs its attention window in tokens",
+                   "longer than any served context")
+    elif g.window_tokens is not None:
+        raise ConfigError(f"{prefix}.window_tokens",
+                          f"window_tokens={_show(g.window_tokens)} is set on a {g.kind.name} "
+                          "group; only SLIDING groups have a window (MAMBA is one chunk), "
+                          "remove it or make the group SLIDING")
+    _check_int(f"{prefix}.extra_retained_tokens", g.extra_retained_tokens, 0,
+               MAX_CONTEXT_TOKENS, "use 0 unless the engine keeps more than the window",
+               "longer than any served context")
+    if g.extra_retained_tokens and g.kind is not GroupKind.SLIDING:
+        raise ConfigError(f"{prefix}.extra_retained_tokens",
+                          f"extra_retained_tokens={g.extra_retained_tokens} applies to SLIDING "
+                          "groups only; remove it")
 
 
 def validate_group(index: int, g: GroupSpec) -> None:
     """Raise ConfigError naming ``groups[index].<field>`` for any inconsistent group."""
     prefix = f"groups[{index}]"
+    if not isinstance(g, GroupSpec):
+        raise ConfigError(prefix, f"{prefix}={_show(g)} is a {type(g).__name__}; describe "
+                          "each group with a GroupSpec")
     if not isinstance(g.kind, GroupKind):
-        raise ConfigError(f"{prefix}.kind", f"kind={g.kind!r} must be a GroupKind "
+        raise ConfigError(f"{prefix}.kind", f"kind={_show(g.kind)} must be a GroupKind "
                           "(FULL, SLIDING or MAMBA)")
-    _check_positive(f"{prefix}.tokens_per_block", g.tokens_per_block,
-                    "set the group's GPU block size in tokens", MAX_TOKENS_PER_BLOCK)
-    _check_positive(f"{prefix}.blocks_per_chunk", g.blocks_per_chunk,
-                    "use 1 to offload each GPU block as its own chunk", MAX_BLOCKS_PER_CHUNK)
-    if g.kind is GroupKind.SLIDING:
-        _check_positive(f"{prefix}.window_tokens", g.window_tokens,
-                        "a SLIDING group needs its attention window in tokens")
-    elif g.window_tokens is not None:
-        raise ConfigError(f"{prefix}.window_tokens",
-                          f"window_tokens={g.window_tokens} is set on a {g.kind.name} group; "
-                          "only SLIDING groups have a window (MAMBA is one chunk), "
-                          "remove it or make the group SLIDING")
-    if isinstance(g.extra_retained_tokens, bool) or not isinstance(g.extra_retained_tokens, int) \
-            or g.extra_retained_tokens < 0:
-        raise ConfigError(f"{prefix}.extra_retained_tokens",
-                          f"extra_retained_tokens={g.extra_retained_tokens!r} must be an int "
-                          ">= 0 (0 unless the engine keeps more than the window)")
-    if g.extra_retained_tokens and g.kind is not GroupKind.SLIDING:
-        raise ConfigError(f"{prefix}.extra_retained_tokens",
-                          "extra_retained_tokens applies to SLIDING groups only")
+    _check_int(f"{prefix}.tokens_per_block", g.tokens_per_block, 1, MAX_TOKENS_PER_BLOCK,
+               "set the group's GPU block size in tokens", "16x the largest engine block")
+    _check_int(f"{prefix}.blocks_per_chunk", g.blocks_per_chunk, 1, MAX_BLOCKS_PER_CHUNK,
+               "use 1 to offload each GPU block as its own chunk",
+               "16x the largest offload chunk in use")
+    if g.tokens_per_chunk > MAX_CHUNK_TOKENS:
+        raise ConfigError(f"{prefix}.blocks_per_chunk",
+                          f"tokens_per_block x blocks_per_chunk = {g.tokens_per_chunk} tokens "
+                          f"per chunk exceeds the limit {MAX_CHUNK_TOKENS} (a chunk that holds "
+                          "a whole 1M-token context); use fewer blocks per chunk")
+    _check_window(prefix, g)
+    _check_bool(f"{prefix}.is_draft", g.is_draft)
+    _check_name(f"{prefix}.name", g.name)
 
 
-def validate_config(cfg: OffloadConfig) -> None:
-    """All config rules, in one place; each failure names its field and the fix."""
-    if not cfg.groups:
-        raise ConfigError("groups", "no groups given; describe at least one KV group")
-    if len(cfg.groups) > MAX_GROUPS:
-        raise ConfigError("groups", f"{len(cfg.groups)} groups exceed the limit {MAX_GROUPS}")
-    for i, g in enumerate(cfg.groups):
-        validate_group(i, g)
-    _check_positive("hash_block_tokens", cfg.hash_block_tokens,
-                    "set the engine's prefix-hash block size in tokens")
+def _check_counts(cfg: OffloadConfig) -> None:
+    """The sizes: hash block, pools, workers, the offload cap."""
+    _check_int("hash_block_tokens", cfg.hash_block_tokens, 1, MAX_CHUNK_TOKENS,
+               "set the engine's prefix-hash block size in tokens",
+               "it divides tokens_per_chunk, which is bounded by the same limit")
     for i, g in enumerate(cfg.groups):
         o = g.tokens_per_chunk
         if o % cfg.hash_block_tokens != 0:
@@ -283,23 +396,45 @@ def validate_config(cfg: OffloadConfig) -> None:
                 f"hash_block_tokens={cfg.hash_block_tokens} does not divide "
                 f"tokens_per_chunk={o} of group {i} ({g.kind.name}); choose a divisor of "
                 f"every group's tokens_per_chunk, e.g. {divisor}.")
-    _check_positive("num_gpu_blocks", cfg.num_gpu_blocks,
-                    "set the GPU block pool size (block 0 is the null block)")
-    if cfg.num_gpu_blocks < 2:
-        raise ConfigError("num_gpu_blocks", f"num_gpu_blocks={cfg.num_gpu_blocks} leaves no "
-                          "usable block (id 0 is the null block); use at least 2")
-    _check_positive("num_cpu_blocks", cfg.num_cpu_blocks,
-                    "set the CPU tier's capacity in chunks")
-    _check_positive("num_workers", cfg.num_workers,
-                    "use the engine's world size (TP x PP)", MAX_WORKERS)
-    if cfg.max_offload_tokens is not None and (
-            isinstance(cfg.max_offload_tokens, bool)
-            or not isinstance(cfg.max_offload_tokens, int) or cfg.max_offload_tokens < 0):
-        raise ConfigError("max_offload_tokens", f"max_offload_tokens={cfg.max_offload_tokens!r}"
-                          " must be None (no cap) or an int >= 0")
+    _check_int("num_gpu_blocks", cfg.num_gpu_blocks, 2, MAX_GPU_BLOCKS,
+               "set the GPU block pool size in blocks (id 0 is the null block, so at least 2)",
+               "16x a 1M-block pool")
+    _check_int("num_cpu_blocks", cfg.num_cpu_blocks, 1, MAX_CPU_BLOCKS,
+               "set the CPU tier's capacity in chunks, not bytes",
+               "1 TiB of pinned memory even at 4 KiB per chunk")
+    _check_int("num_workers", cfg.num_workers, 1, MAX_WORKERS,
+               "use the engine's world size (TP x PP)", "8x the largest TP x PP")
+    if cfg.max_offload_tokens is not None:
+        _check_int("max_offload_tokens", cfg.max_offload_tokens, 0, MAX_CONTEXT_TOKENS,
+                   "use None (omit it in TOML) for no cap, or a token count >= 0",
+                   "longer than any served context")
+
+
+def _check_flags(cfg: OffloadConfig) -> None:
+    for flag in ("prompt_only", "speculative", "draft_kv_elsewhere", "store_alignment"):
+        _check_bool(flag, getattr(cfg, flag))
     if not isinstance(cfg.store_level, StoreLevel):
-        raise ConfigError("store_level", f"store_level={cfg.store_level!r} must be "
-                          "StoreLevel.BLOCK or StoreLevel.REQUEST")
+        raise ConfigError("store_level", f"store_level={_show(cfg.store_level)} must be "
+                          "StoreLevel.BLOCK or StoreLevel.REQUEST (in TOML: \"block\" or "
+                          "\"request\")")
+    _check_name("name", cfg.name)
+
+
+def validate_config(cfg: OffloadConfig) -> None:
+    """All config rules, in one place; each failure names its field and the fix.
+
+    Types and ranges of every field come first, so the consistency rules below read only
+    well-typed, bounded values.
+    """
+    if not cfg.groups:
+        raise ConfigError("groups", "no groups given; describe at least one KV group")
+    if len(cfg.groups) > MAX_GROUPS:
+        raise ConfigError("groups", f"{len(cfg.groups)} groups exceed the limit {MAX_GROUPS} "
+                          "(8x the most any model has); merge layers that share a layout")
+    for i, g in enumerate(cfg.groups):
+        validate_group(i, g)
+    _check_counts(cfg)
+    _check_flags(cfg)
     mamba = {g.tokens_per_chunk for g in cfg.groups if g.kind is GroupKind.MAMBA}
     if len(mamba) > 1:
         raise ConfigError("groups", f"MAMBA groups have tokens_per_chunk {sorted(mamba)}; all "
@@ -318,6 +453,14 @@ def validate_config(cfg: OffloadConfig) -> None:
     if drafts and cfg.draft_kv_elsewhere:
         raise ConfigError("draft_kv_elsewhere", "draft_kv_elsewhere=True contradicts "
                           f"is_draft=True on group {drafts[0]}; set only one of them")
+
+
+def _as_groups(groups: object) -> tuple[GroupSpec, ...]:
+    """The groups as a tuple; anything but a list or tuple is refused before it is read."""
+    if not isinstance(groups, list | tuple):
+        raise ConfigError("groups", f"groups={_show(groups)} is a {type(groups).__name__}; "
+                          "pass a tuple (or list) of GroupSpec")
+    return tuple(groups)
 
 
 # -- keys -------------------------------------------------------------------------------
