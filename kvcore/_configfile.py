@@ -7,7 +7,7 @@ the preset's groups. Unknown keys are errors (a typo must not silently fall back
     hash_block_tokens = 16
     num_gpu_blocks = 8192
     num_cpu_blocks = 16384
-    speculative = false
+    speculative = false          # booleans are TOML true/false, never "false" or 0
     [[groups]]
     kind = "full"                # full | sliding | mamba
     tokens_per_block = 16
@@ -30,6 +30,21 @@ from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, StoreLevel
 
 _CONFIG_FIELDS = {f.name for f in fields(OffloadConfig)} - {"groups"}
 _GROUP_FIELDS = {f.name for f in fields(GroupSpec)}
+# A layout file is a few hundred bytes; refusing anything over 1 MiB keeps a wrong path
+# (a model checkpoint, /dev/zero) from being read into memory.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _enum(field: str, value: object, kind: type[GroupKind] | type[StoreLevel]) -> Any:
+    """An enum member from its documented TOML name: a string, any case, nothing else."""
+    names = ", ".join(repr(m.value) for m in kind)
+    if not isinstance(value, str):
+        raise ConfigError(field, f"{field}={value!r} ({type(value).__name__}) is not a "
+                          f"string; write one of {names} as a TOML string")
+    try:
+        return kind(value.lower())
+    except ValueError:
+        raise ConfigError(field, f"{field}={value!r} is unknown; use one of {names}") from None
 
 
 def _group(i: int, raw: Any) -> GroupSpec:
@@ -39,38 +54,37 @@ def _group(i: int, raw: Any) -> GroupSpec:
     if unknown:
         raise ConfigError(f"groups[{i}].{sorted(unknown)[0]}", f"unknown group field; "
                           f"known fields: {', '.join(sorted(_GROUP_FIELDS))}")
+    for required in ("kind", "tokens_per_block"):
+        if required not in raw:
+            raise ConfigError(f"groups[{i}].{required}", "missing; every [[groups]] entry "
+                              "sets kind (full, sliding or mamba) and tokens_per_block")
     values = dict(raw)
-    try:
-        values["kind"] = GroupKind(str(values.get("kind", "")).lower())
-    except ValueError:
-        raise ConfigError(f"groups[{i}].kind", f"kind={raw.get('kind')!r}; use full, sliding "
-                          "or mamba") from None
-    try:
-        return GroupSpec(**values)
-    except TypeError as exc:
-        raise ConfigError(f"groups[{i}]", str(exc)) from None
+    values["kind"] = _enum(f"groups[{i}].kind", raw["kind"], GroupKind)
+    # Every other field's type and range is checked once, by OffloadConfig's validation,
+    # which names the same groups[i].<field>.
+    return GroupSpec(**values)
 
 
 def config_from_mapping(raw: dict[str, Any], source: str = "config") -> OffloadConfig:
     """Merge a preset (if named) with the given fields and validate once."""
     raw = dict(raw)
     base_name = raw.pop("preset", None)
+    if base_name is not None and not isinstance(base_name, str):
+        raise ConfigError("preset", f"preset={base_name!r} must be a TOML string, e.g. "
+                          '"gemma3"')
     unknown = set(raw) - _CONFIG_FIELDS - {"groups"}
     if unknown:
         raise ConfigError(sorted(unknown)[0], f"unknown field in {source}; known fields: "
                           f"{', '.join(sorted(_CONFIG_FIELDS | {'groups', 'preset'}))}")
     if "store_level" in raw:
-        try:
-            raw["store_level"] = StoreLevel(str(raw["store_level"]).lower())
-        except ValueError:
-            raise ConfigError("store_level", "use 'block' or 'request'") from None
+        raw["store_level"] = _enum("store_level", raw["store_level"], StoreLevel)
     if "groups" in raw:
         if not isinstance(raw["groups"], list):
             raise ConfigError("groups", "groups must be an array of tables ([[groups]])")
         raw["groups"] = tuple(_group(i, g) for i, g in enumerate(raw["groups"]))
     raw.setdefault("name", Path(source).stem)
     if base_name is not None:
-        return replace(preset(str(base_name)), **raw)
+        return replace(preset(base_name), **raw)
     missing = {"groups", "hash_block_tokens", "num_gpu_blocks", "num_cpu_blocks"} - set(raw)
     if missing:
         raise ConfigError(sorted(missing)[0], f"{source} names no preset, so it must set "
@@ -81,9 +95,18 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> OffloadC
 def load_config(path: str | Path) -> OffloadConfig:
     """Read and validate a TOML layout file."""
     try:
-        raw = tomllib.loads(Path(path).read_text())
+        with Path(path).open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("config", f"{path} is over {MAX_CONFIG_BYTES} bytes; a layout file "
+                          "is a few hundred (is this the right file?)")
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError("config", f"{path} is not UTF-8 text; a layout is a TOML file") \
+            from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
     return config_from_mapping(raw, str(path))

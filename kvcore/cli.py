@@ -1,9 +1,11 @@
 """The ``kvcore`` command: ``check`` for engine CI, ``fuzz`` for GPU runners, ``simulate``.
 
 Exit codes say what failed (as the VOPR separates them): 0 clean, 1 a correctness failure
-(an invariant, byte integrity, or a surviving mutant), 2 bad usage or config, 3 liveness
-(a run did not settle), 4 a crash inside kvcore. The human table and ``--json`` render
-the same data.
+(an invariant, byte integrity, or a surviving mutant), 2 bad usage or config (nothing was
+run), 3 liveness (a run did not settle), 4 a crash inside kvcore (the traceback goes to a
+file whose path is printed), 5 inconclusive (a proof ran out of budget without a
+counterexample, and nothing else failed). The human table and ``--json`` render the same
+data.
 """
 
 from __future__ import annotations
@@ -12,18 +14,95 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 import time
+import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvcore.spec.errors import ConfigError
-from kvcore.spec.types import OffloadConfig
+from kvcore.spec.types import MAX_CONTEXT_TOKENS, OffloadConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_LIVENESS, EXIT_CRASH = 0, 1, 2, 3, 4
+EXIT_INCONCLUSIVE = 5
 KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "liveness": EXIT_LIVENESS,
              "crash": EXIT_CRASH}
+
+# Bounds of the numeric options. Each is far above what a useful run asks for, so only a
+# typo (a sign, a unit, an extra digit) meets one, and it is refused before anything runs.
+MAX_SEEDS = 10_000  # seeded simulations; ~1 s each, so 10k is hours of one CI job
+MAX_EXAMPLES = 100_000  # state-machine examples per run (kvcore check uses 150)
+MAX_STEPS = 10_000  # rules per example (kvcore check uses 50)
+MAX_REQUESTS = 100_000  # simulated requests; each carries its own prompt in memory
+MAX_SIM_TOKENS = MAX_CONTEXT_TOKENS  # prompt, prefill budget, new tokens: any context
+MAX_SEED = (1 << 64) - 1  # seeds are strings to random.Random; 64 bits name any run
+MAX_DURATION_S = 7 * 24 * 3600  # a fuzz job longer than a week is restarted anyway
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what is wrong, and where help is)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _count(what: str, lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse type: an int in [lo, hi], refused with the bound and what it counts."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is outside {lo}..{hi} ({what})")
+        return value
+    parse.__name__ = what
+    return parse
+
+
+def _duration(text: str) -> float:
+    """An argparse type: ``90s``, ``30m``, ``2h`` or plain seconds, above 0 and <= 7 days."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 90s, 30m or 2h")
+    seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    if not 0 < seconds <= MAX_DURATION_S:
+        raise argparse.ArgumentTypeError(f"{text!r} must be above 0s and at most "
+                                         f"{MAX_DURATION_S // 3600}h")
+    return seconds
+
+
+def _require_writable(option: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written, before any work is done.
+
+    Opening the file is the only test that root, read-only mounts and ACLs all answer
+    truly; a file this check creates is removed again.
+    """
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(option, f"{option} {path} is a directory; name a file")
+    existed = target.exists()
+    try:
+        with target.open("a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(option, f"cannot write {option} {path}: {exc.strerror}; name a "
+                          "file in a writable directory") from None
+    if not existed:
+        target.unlink(missing_ok=True)
+
+
+def _require_device(device: str) -> None:
+    if device == "cuda":
+        from kvcore.transfer import cuda_available, cuda_unavailable_reason
+        if not cuda_available():
+            raise ConfigError("--device", f"--device cuda but kvcore's CUDA library is "
+                              f"unavailable: {cuda_unavailable_reason()}; use --device cpu")
 
 
 def _layout(args: argparse.Namespace) -> tuple[str, OffloadConfig]:
@@ -41,19 +120,79 @@ def _print_table(rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def _crash_file(text: str) -> str:
+    """Write a crash's traceback (or report) to a file; its path, or where it went instead."""
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="kvcore-crash-", suffix=".txt",
+                                         delete=False) as f:
+            f.write(text)
+            return f.name
+    except OSError:
+        print(text, file=sys.stderr)
+        return "stderr (no temporary file could be written)"
+
+
+def _report_failure(failure: Any) -> int:
+    """Print a battery failure and return its exit code; a crash also gets a crash file."""
+    print(f"\nFAILED ({failure.kind}: {', '.join(failure.ids)}): {failure.message}\n"
+          f"reproduce with:\n{failure.reproducer}")
+    if failure.kind == "crash":
+        details = getattr(failure, "traceback", "") or "(no traceback was recorded)"
+        path = _crash_file(f"{failure.message}\n\nreproduce with:\n{failure.reproducer}\n\n"
+                           f"{details}\n")
+        print(f"kvcore: crash inside kvcore; details written to {path}", file=sys.stderr)
+    return KIND_EXIT[failure.kind]
+
+
+def _proof_status(ok: object) -> str:
+    """passed, FAILED, skipped or inconclusive, from ``run_proofs``' first value.
+
+    True and False are pass and fail, None means no proofs/ folder (an installed wheel),
+    and the string ``"inconclusive"`` an obligation that ran out of budget (twice)
+    without a counterexample: not a correctness failure, so it gets its own exit code.
+    """
+    if ok is True:
+        return "passed"
+    if ok is None:
+        return "skipped"
+    return "inconclusive" if ok == "inconclusive" else "FAILED"
+
+
+def _run_mutants(args: argparse.Namespace, report: dict[str, Any]) -> bool:
+    """Run the bug zoo; True when every mutant was killed."""
     from kvcore import _check
     from kvcore.presets import PRESETS, preset
+    layouts = {n: preset(n) for n in PRESETS}
+    outcomes = _check.run_mutants(layouts, seeds=args.seeds, examples=args.examples,
+                                  steps=args.steps)
+    report["mutants"] = {o.name: {"killed": o.killed, "by": o.by, "preset": o.preset,
+                                  "origin": o.origin, "seconds": round(o.seconds, 2)}
+                         for o in outcomes}
+    print()
+    _print_table([[o.name, "killed" if o.killed else "SURVIVED", o.by, o.preset,
+                   f"{o.seconds:.1f}s"] for o in outcomes],
+                 ["mutant", "result", "caught by", "layout", "time"])
+    return all(o.killed for o in outcomes)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    _require_writable("--json", args.json)
     name, config = _layout(args)
+    from kvcore import _check
     print(f"kvcore check: layout {name} ({len(config.groups)} groups), "
           f"seeds={args.seeds} examples={args.examples} steps={args.steps}", flush=True)
     report: dict[str, Any] = {"ok": True, "layout": name}
+    code = EXIT_OK
+    inconclusive = False
     if not args.no_proofs:
         ok, line = _check.run_proofs()
-        report["proofs"] = {"ok": ok, "summary": line}
-        print(f"proofs: {'passed' if ok else 'skipped' if ok is None else 'FAILED'} ({line})",
-              flush=True)
-        report["ok"] &= ok is not False
+        status = _proof_status(ok)
+        report["proofs"] = {"ok": status in ("passed", "skipped"), "status": status,
+                            "summary": line}
+        print(f"proofs: {status} ({line})", flush=True)
+        inconclusive = status == "inconclusive"
+        if status == "FAILED":
+            code = EXIT_FAIL
     result = _check.run_battery(config, preset=name, seeds=args.seeds,
                                 examples=args.examples, steps=args.steps)
     table = _check.invariant_table(result)
@@ -61,61 +200,70 @@ def cmd_check(args: argparse.Namespace) -> int:
     report["seconds"] = round(result.seconds, 2)
     _print_table([[i, str(v["checked"]), str(v["violations"])] for i, v in table.items()],
                  ["invariant", "checked", "violations"])
-    code = EXIT_OK if report["ok"] else EXIT_FAIL
     if result.failure is not None:
-        report["ok"] = False
         report["failure"] = asdict(result.failure)
-        print(f"\nFAILED ({result.failure.kind}: {', '.join(result.failure.ids)}): "
-              f"{result.failure.message}\nreproduce with:\n{result.failure.reproducer}")
-        code = KIND_EXIT[result.failure.kind]
-    if args.mutants:
-        layouts = {n: preset(n) for n in PRESETS}
-        outcomes = _check.run_mutants(layouts, seeds=args.seeds, examples=args.examples,
-                                      steps=args.steps)
-        report["mutants"] = {o.name: {"killed": o.killed, "by": o.by, "preset": o.preset,
-                                      "origin": o.origin, "seconds": round(o.seconds, 2)}
-                             for o in outcomes}
-        print()
-        _print_table([[o.name, "killed" if o.killed else "SURVIVED", o.by, o.preset,
-                       f"{o.seconds:.1f}s"] for o in outcomes],
-                     ["mutant", "result", "caught by", "layout", "time"])
-        if not all(o.killed for o in outcomes):
-            report["ok"] = False
-            code = code or EXIT_FAIL
+        code = _report_failure(result.failure)
+    if args.mutants and not _run_mutants(args, report):
+        code = code or EXIT_FAIL
+    if code == EXIT_OK and inconclusive:
+        code = EXIT_INCONCLUSIVE
+    report["ok"] = code == EXIT_OK
+    report["exit_code"] = code
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"\n{'ok' if report['ok'] else 'FAILED'}")
+    verdict = {EXIT_OK: "ok", EXIT_INCONCLUSIVE: "INCONCLUSIVE (a proof ran out of budget; "
+               "nothing failed)"}
+    print(f"\n{verdict.get(code, 'FAILED')}")
     return code
 
 
-def _duration(text: str) -> float:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
-    if not m:
-        raise ConfigError("duration", f"duration={text!r}; use e.g. 90s, 30m or 2h")
-    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
-
-
 def _database(spec: str | None) -> Any:
+    """The example database ``--db`` names, reached once now so a bad one runs nothing."""
     from hypothesis.database import DirectoryBasedExampleDatabase
-    if spec is None:
-        return DirectoryBasedExampleDatabase(".kvcore-fuzz-db")
-    if spec.startswith("redis://"):
+    if spec is not None and spec.startswith("redis://"):
+        return _redis_database(spec)
+    folder = Path(spec or ".kvcore-fuzz-db")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--db", f"--db {folder}: cannot create the directory "
+                          f"({exc.strerror}); name a writable directory") from None
+    return DirectoryBasedExampleDatabase(str(folder))
+
+
+def _redis_database(spec: str) -> Any:
+    try:
         import redis  # optional dependency: only --db redis:// needs it
-        from hypothesis.extra.redis import RedisExampleDatabase
-        return RedisExampleDatabase(redis.Redis.from_url(spec), key_prefix=b"kvcore-fuzz:")
-    return DirectoryBasedExampleDatabase(spec)
+    except ImportError:
+        raise ConfigError("--db", f"--db {spec} needs the redis package: pip install "
+                          "'kvcore[redis]'") from None
+    from hypothesis.extra.redis import RedisExampleDatabase
+    try:
+        client = redis.Redis.from_url(spec, socket_connect_timeout=5, socket_timeout=60)
+        client.ping()
+    except (ValueError, redis.RedisError) as exc:
+        raise ConfigError("--db", f"--db {spec}: Redis is unreachable ({exc}); start it, "
+                          "fix the URL, or pass a directory") from None
+    return RedisExampleDatabase(client, key_prefix=b"kvcore-fuzz:")
+
+
+def _saved_note(db: Any) -> str:
+    """Where the counterexample went; a Redis server that went away has not kept it."""
+    client = getattr(db, "redis", None)
+    if client is not None:
+        try:
+            client.ping()
+        except Exception:  # any failure to reach it means the example was not saved
+            return "(the example database became unreachable; it was not saved)"
+    return "(saved to the example database; the next run replays it first)"
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
-    from kvcore import _check
     name, config = _layout(args)
-    if args.device == "cuda":
-        from kvcore.transfer import cuda_available, cuda_unavailable_reason
-        if not cuda_available():
-            raise ConfigError("device", f"--device cuda but kvcore's CUDA library is "
-                              f"unavailable: {cuda_unavailable_reason()}")
-    budget = _duration(args.duration)
+    _require_device(args.device)
     db = _database(args.db)
+    from kvcore import _check
+    budget: float = args.duration
     print(f"kvcore fuzz: layout {name}, device {args.device}, {budget:.0f}s, db {args.db}",
           flush=True)
     start = time.monotonic()
@@ -129,18 +277,19 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - start:6.0f}s] round {rounds}: "
               f"{rounds * args.examples} examples, {total} invariant checks", flush=True)
         if result.failure is not None:
-            print(f"\nFAILED ({result.failure.kind}: {', '.join(result.failure.ids)}): "
-                  f"{result.failure.message}\n{result.failure.reproducer}\n"
-                  f"(saved to the example database; the next run replays it first)")
-            return KIND_EXIT[result.failure.kind]
+            code = _report_failure(result.failure)
+            print(_saved_note(db))
+            return code
     print("ok: no counterexample found")
     return EXIT_OK
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    _require_writable("--json", args.json)
+    name, config = _layout(args)
+    _require_device(args.device)
     from kvcore import _check
     from kvcore.sim import SimOptions, simulate
-    name, config = _layout(args)
     if args.check_options:
         opts = _check.sim_options(args.seed)
     else:
@@ -165,43 +314,66 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _version() -> str:
+    """The installed distribution's version; the package's own when not installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("kvcore")
+    except metadata.PackageNotFoundError:
+        import kvcore
+        return str(getattr(kvcore, "__version__", "unknown (not installed)"))
+
+
+def _layout_args(sp: argparse.ArgumentParser) -> None:
     from kvcore.presets import PRESETS
-    p = argparse.ArgumentParser(prog="kvcore", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--preset", choices=sorted(PRESETS), help="a built-in layout")
+    g.add_argument("--config", help="a TOML file describing the engine's groups")
 
-    def layout_args(sp: argparse.ArgumentParser) -> None:
-        g = sp.add_mutually_exclusive_group()
-        g.add_argument("--preset", choices=sorted(PRESETS), help="a built-in layout")
-        g.add_argument("--config", help="a TOML file describing the engine's groups")
 
+def _check_parser(sub: Any) -> None:
     c = sub.add_parser("check", help="contract checks for engine CI")
-    layout_args(c)
+    _layout_args(c)
     c.add_argument("--json", help="write the results as JSON to this file")
     c.add_argument("--mutants", action="store_true", help="also run the bug zoo")
     c.add_argument("--no-proofs", action="store_true", help="skip the CrossHair proofs")
-    c.add_argument("--seeds", type=int, default=24, help="seeded simulations (default 24)")
-    c.add_argument("--examples", type=int, default=150,
-                   help="state-machine examples (default 150)")
-    c.add_argument("--steps", type=int, default=50, help="rules per example (default 50)")
+    c.add_argument("--seeds", type=_count("seeded simulations", 1, MAX_SEEDS), default=24,
+                   help=f"seeded simulations, 1..{MAX_SEEDS} (default 24)")
+    c.add_argument("--examples", type=_count("state-machine examples", 1, MAX_EXAMPLES),
+                   default=150, help=f"state-machine examples, 1..{MAX_EXAMPLES} (default 150)")
+    c.add_argument("--steps", type=_count("rules per example", 1, MAX_STEPS), default=50,
+                   help=f"rules per example, 1..{MAX_STEPS} (default 50)")
     c.set_defaults(func=cmd_check)
 
+
+def _fuzz_parser(sub: Any) -> None:
     f = sub.add_parser("fuzz", help="long stateful fuzzing, sharing counterexamples")
-    layout_args(f)
+    _layout_args(f)
     f.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    f.add_argument("--duration", default="30m", help="e.g. 90s, 30m, 2h (default 30m)")
+    f.add_argument("--duration", type=_duration, default="30m",
+                   help="e.g. 90s, 30m, 2h; at most 168h (default 30m)")
     f.add_argument("--db", help="example database: a directory or redis://HOST:PORT/N")
-    f.add_argument("--examples", type=int, default=50, help="examples per round")
-    f.add_argument("--steps", type=int, default=50, help="rules per example")
+    f.add_argument("--examples", type=_count("examples per round", 1, MAX_EXAMPLES),
+                   default=50, help=f"examples per round, 1..{MAX_EXAMPLES} (default 50)")
+    f.add_argument("--steps", type=_count("rules per example", 1, MAX_STEPS), default=50,
+                   help=f"rules per example, 1..{MAX_STEPS} (default 50)")
     f.set_defaults(func=cmd_fuzz)
 
+
+def _simulate_parser(sub: Any) -> None:
     s = sub.add_parser("simulate", help="run a workload end to end and report")
-    layout_args(s)
-    s.add_argument("--requests", type=int, default=8)
-    s.add_argument("--context", type=int, default=4096, help="prompt tokens per request")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--prefill-budget", type=int, default=8192)
-    s.add_argument("--max-new-tokens", type=int, default=24)
+    _layout_args(s)
+    tokens = MAX_SIM_TOKENS
+    s.add_argument("--requests", type=_count("requests", 1, MAX_REQUESTS), default=8,
+                   help=f"requests to run, 1..{MAX_REQUESTS} (default 8)")
+    s.add_argument("--context", type=_count("prompt tokens per request", 1, tokens),
+                   default=4096, help=f"prompt tokens per request, 1..{tokens} (default 4096)")
+    s.add_argument("--seed", type=_count("seed", 0, MAX_SEED), default=0,
+                   help="the workload's seed, >= 0 (default 0)")
+    s.add_argument("--prefill-budget", type=_count("prefill tokens per step", 1, tokens),
+                   default=8192, help=f"prefill tokens per step, 1..{tokens} (default 8192)")
+    s.add_argument("--max-new-tokens", type=_count("new tokens per request", 1, tokens),
+                   default=24, help=f"new tokens per request, 1..{tokens} (default 24)")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     s.add_argument("--no-checks", action="store_true", help="turn runtime checks off")
     s.add_argument("--faults", action="store_true",
@@ -210,18 +382,55 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the options `kvcore check` ran this seed with (to replay it)")
     s.add_argument("--json", help="write the report as JSON to this file")
     s.set_defaults(func=cmd_simulate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kvcore", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--version", action="version", version=f"kvcore {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _check_parser(sub)
+    _fuzz_parser(sub)
+    _simulate_parser(sub)
     return p
+
+
+def _run_failure(exc: Exception) -> int:
+    """The exit code of an exception a command raised, said in one line on stderr.
+
+    An invariant, integrity or liveness failure (``kvcore simulate`` raises them) keeps its
+    own code; anything else is a crash inside kvcore, whose traceback goes to a file.
+    """
+    try:
+        from kvcore._check import classify
+        kind, ids = classify(exc)
+    except Exception:  # the crash may be that kvcore's own modules do not import
+        kind, ids = "crash", [type(exc).__name__]
+    if kind == "crash":
+        path = _crash_file("".join(traceback.format_exception(exc)))
+        print(f"kvcore: crash inside kvcore ({type(exc).__name__}: {str(exc)[:200]}); "
+              f"traceback written to {path}", file=sys.stderr)
+    else:
+        print(f"kvcore: FAILED ({kind}: {', '.join(ids)}): {type(exc).__name__}: "
+              f"{str(exc)[:500]}", file=sys.stderr)
+    return KIND_EXIT[kind]
 
 
 def main(argv: list[str] | None = None) -> int:
     # torch warns at first use that NumPy is absent; kvcore does not need NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # usage errors, --help and --version end here
+        if exc.code is None:
+            return EXIT_OK
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         code: int = args.func(args)
     except ConfigError as exc:
         print(f"kvcore: ConfigError: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as exc:  # every other failure gets its documented exit code
+        return _run_failure(exc)
     return code
 
 

@@ -312,7 +312,7 @@ def _check_int(name: str, value: object, lo: int, hi: int, hint: str, why: str) 
     ``why`` is the limit's reason, quoted in the message so the user can judge the bound.
     """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(name, f"{name}={_show(value)} is a {type(value).__name__}, not an "
+        raise ConfigError(name, f"{name}={_show(value)} ({type(value).__name__}) is not an "
                           f"int; {hint}")
     if value < lo:
         raise ConfigError(name, f"{name}={value} is below the minimum {lo}; {hint}")
@@ -328,7 +328,7 @@ def _check_bool(name: str, value: object) -> None:
     """
     if not isinstance(value, bool):
         leaf = name.rsplit(".", 1)[-1]
-        raise ConfigError(name, f"{name}={_show(value)} is a {type(value).__name__}, not a "
+        raise ConfigError(name, f"{name}={_show(value)} ({type(value).__name__}) is not a "
                           f"bool; set True or False (in TOML: {leaf} = true or {leaf} = false, "
                           "without quotes)")
 
@@ -362,8 +362,8 @@ def validate_group(index: int, g: GroupSpec) -> None:
     """Raise ConfigError naming ``groups[index].<field>`` for any inconsistent group."""
     prefix = f"groups[{index}]"
     if not isinstance(g, GroupSpec):
-        raise ConfigError(prefix, f"{prefix}={_show(g)} is a {type(g).__name__}; describe "
-                          "each group with a GroupSpec")
+        raise ConfigError(prefix, f"{prefix}={_show(g)} ({type(g).__name__}) is not a "
+                          "GroupSpec; describe each group with a GroupSpec")
     if not isinstance(g.kind, GroupKind):
         raise ConfigError(f"{prefix}.kind", f"kind={_show(g.kind)} must be a GroupKind "
                           "(FULL, SLIDING or MAMBA)")
@@ -458,8 +458,8 @@ def validate_config(cfg: OffloadConfig) -> None:
 def _as_groups(groups: object) -> tuple[GroupSpec, ...]:
     """The groups as a tuple; anything but a list or tuple is refused before it is read."""
     if not isinstance(groups, list | tuple):
-        raise ConfigError("groups", f"groups={_show(groups)} is a {type(groups).__name__}; "
-                          "pass a tuple (or list) of GroupSpec")
+        raise ConfigError("groups", f"groups={_show(groups)} ({type(groups).__name__}) is "
+                          "not a tuple or list; pass a tuple of GroupSpec")
     return tuple(groups)
 
 
