@@ -1,23 +1,44 @@
 """The command line: what engine CI and fuzz runners see.
 
 Goal: `kvcore check --json` has the documented shape, a bad `--config` is exit code 2
-naming the field, presets and TOML layouts load, and `simulate` reports. Method: call
-``kvcore.cli.main`` in-process with small budgets (the full battery runs in tests/zoo and
-tests/integrity).
+naming the field, presets and TOML layouts load, `simulate` reports, and every error
+class gets its documented exit code: 2 (usage, config, an unwritable output, an
+unreachable database; one line, nothing run), 1 (correctness), 3 (liveness), 4 (a crash,
+with the path of its traceback), 5 (a proof inconclusive, nothing failed).
+Method: call ``kvcore.cli.main`` in-process with small budgets (the full battery runs in
+tests/zoo and tests/integrity); the exit-2 table runs ``python -m kvcore.cli`` in a
+subprocess, as CI does; the codes a real bug would give (1, 3, 4, 5) replace the battery
+or the simulator with a stub that fails in the way under test.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvcore import _check
 from kvcore._configfile import load_config
-from kvcore.cli import EXIT_OK, EXIT_USAGE, main
+from kvcore.cli import (
+    EXIT_CRASH,
+    EXIT_FAIL,
+    EXIT_INCONCLUSIVE,
+    EXIT_LIVENESS,
+    EXIT_OK,
+    EXIT_USAGE,
+    main,
+)
 from kvcore.presets import PRESETS, preset
-from kvcore.spec.errors import ConfigError
-from kvcore.spec.invariants import INVARIANT_IDS
+from kvcore.sim import IntegrityError
+from kvcore.spec.errors import ConfigError, InvariantViolation
+from kvcore.spec.invariants import INVARIANT_IDS, Violation
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--no-proofs", "--seeds", "2", "--examples", "5", "--steps", "10"]
@@ -56,6 +77,25 @@ def test_example_layout_loads() -> None:
      "groups[0].kind"),
     ('preset = "nope"\n', "preset"),
     ("not toml at all [", "config"),
+    # Booleans are TOML booleans: a quoted "no" or "false", or 1, is refused, not truthy.
+    ('preset = "gemma3"\nspeculative = true\n[[groups]]\nkind = "full"\n'
+     'tokens_per_block = 16\nis_draft = "no"\n', "groups[0].is_draft"),
+    ('preset = "llama3-eagle3"\nspeculative = "false"\n', "speculative"),
+    ('preset = "gemma3"\nprompt_only = 1\n', "prompt_only"),
+    ('preset = "gemma3"\nstore_alignment = "true"\n', "store_alignment"),
+    # Ints are TOML integers within their limits; enums are their documented names.
+    ('preset = "gemma3"\nnum_gpu_blocks = 1000000000000000\n', "num_gpu_blocks"),
+    ('preset = "gemma3"\nnum_cpu_blocks = 4096.0\n', "num_cpu_blocks"),
+    ('preset = "gemma3"\nnum_workers = "2"\n', "num_workers"),
+    ('preset = "gemma3"\n[[groups]]\nkind = "full"\ntokens_per_block = 16\n[[groups]]\n'
+     'kind = "sliding"\ntokens_per_block = 16\nwindow_tokens = 1000000000000\n',
+     "groups[1].window_tokens"),
+    ('preset = "gemma3"\n[[groups]]\nkind = 1\ntokens_per_block = 16\n', "groups[0].kind"),
+    ('preset = "gemma3"\n[[groups]]\nkind = "full"\n', "groups[0].tokens_per_block"),
+    ('preset = "gemma3"\nstore_level = 2\n', "store_level"),
+    ('preset = "gemma3"\nstore_level = "page"\n', "store_level"),
+    ("preset = 3\n", "preset"),
+    ('preset = "gemma3"\nname = 5\n', "name"),
 ])
 def test_bad_config_names_the_field(tmp_path: Path, text: str, field: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,3 +118,203 @@ def test_simulate_reports(capsys: pytest.CaptureFixture[str]) -> None:
                  "--context", "300", "--prefill-budget", "128"]) == EXIT_OK
     text = capsys.readouterr().out
     assert "offload_hit_rate" in text and "invariants checked" in text
+
+
+# -- exit codes: one row per error class ------------------------------------------------
+
+HUGE_WINDOW = ('preset = "gemma3"\n[[groups]]\nkind = "full"\ntokens_per_block = 16\n'
+               '[[groups]]\nkind = "sliding"\ntokens_per_block = 16\n'
+               'window_tokens = 1000000000000\n')
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# (case id, arguments with {tmp} and {port} placeholders, exit code, text stderr must hold)
+USAGE_ROWS: list[tuple[str, list[str], int, str]] = [
+    ("no command", [], EXIT_USAGE, "required"),
+    ("unknown option", ["check", "--bogus"], EXIT_USAGE, "--bogus"),
+    ("unknown preset", ["check", "--preset", "nope"], EXIT_USAGE, "--preset"),
+    ("--examples 0", ["check", "--examples", "0"], EXIT_USAGE, "--examples"),
+    ("--examples over its bound", ["check", "--examples", "100001"], EXIT_USAGE, "100000"),
+    ("--steps -3", ["check", "--steps", "-3"], EXIT_USAGE, "--steps"),
+    ("--seeds -1", ["check", "--seeds", "-1"], EXIT_USAGE, "--seeds"),
+    ("--seeds not a number", ["check", "--seeds", "many"], EXIT_USAGE, "'many'"),
+    ("fuzz --examples 0", ["fuzz", "--examples", "0"], EXIT_USAGE, "--examples"),
+    ("fuzz --steps -3", ["fuzz", "--steps", "-3"], EXIT_USAGE, "--steps"),
+    ("--duration not a duration", ["fuzz", "--duration", "soon"], EXIT_USAGE, "'soon'"),
+    ("--duration 0", ["fuzz", "--duration", "0s"], EXIT_USAGE, "--duration"),
+    ("--duration over a week", ["fuzz", "--duration", "200h"], EXIT_USAGE, "168h"),
+    ("--requests -1", ["simulate", "--requests", "-1"], EXIT_USAGE, "--requests"),
+    ("--context -5", ["simulate", "--context", "-5"], EXIT_USAGE, "--context"),
+    ("--seed -1", ["simulate", "--seed", "-1"], EXIT_USAGE, "--seed"),
+    ("--prefill-budget 0", ["simulate", "--prefill-budget", "0"], EXIT_USAGE, "--prefill"),
+    ("--max-new-tokens 0", ["simulate", "--max-new-tokens", "0"], EXIT_USAGE, "--max-new"),
+    ("bad config", ["check", "--config", "{tmp}/bad.toml"], EXIT_USAGE, "groups[0].is_draft"),
+    ("missing config", ["check", "--config", "{tmp}/none.toml"], EXIT_USAGE, "cannot read"),
+    ("simulate on a 10**12-token window", ["simulate", "--config", "{tmp}/huge.toml"],
+     EXIT_USAGE, "groups[1].window_tokens"),
+    ("--json is a directory", ["check", "--no-proofs", "--json", "{tmp}"], EXIT_USAGE,
+     "--json"),
+    ("--json in a missing directory", ["check", "--no-proofs", "--json", "{tmp}/no/r.json"],
+     EXIT_USAGE, "--json"),
+    ("simulate --json unwritable", ["simulate", "--json", "{tmp}/no/r.json"], EXIT_USAGE,
+     "--json"),
+    ("Redis unreachable", ["fuzz", "--duration", "5s", "--db", "redis://127.0.0.1:{port}/0"],
+     EXIT_USAGE, "Redis is unreachable"),
+    ("--db is a file", ["fuzz", "--duration", "5s", "--db", "{tmp}/bad.toml"], EXIT_USAGE,
+     "--db"),
+]
+
+
+@pytest.mark.parametrize(("args", "code", "text"),
+                         [pytest.param(a, c, t, id=n) for n, a, c, t in USAGE_ROWS])
+def test_usage_and_config_errors_exit_2_with_one_line_and_nothing_run(
+        tmp_path: Path, args: list[str], code: int, text: str) -> None:
+    (tmp_path / "bad.toml").write_text('preset = "gemma3"\nspeculative = true\n[[groups]]\n'
+                                       'kind = "full"\ntokens_per_block = 16\nis_draft = "no"\n')
+    (tmp_path / "huge.toml").write_text(HUGE_WINDOW)
+    argv = [a.format(tmp=tmp_path, port=_closed_port()) for a in args]
+    # A hang (the 10**12 window once never returned) fails here instead of stalling.
+    done = subprocess.run([sys.executable, "-m", "kvcore.cli", *argv], capture_output=True,
+                          text=True, timeout=300, check=False, cwd=tmp_path)
+    assert done.returncode == code, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert text in lines[0]
+    assert "Traceback" not in done.stderr
+    # Nothing ran: no header, no progress, no "saved to the example database".
+    assert done.stdout == ""
+    assert not (tmp_path / "no").exists()
+
+
+def test_version_prints_the_installed_version() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvcore.cli", "--version"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == EXIT_OK
+    assert done.stdout.strip() == f"kvcore {metadata.version('kvcore')}"
+
+
+def test_writable_check_leaves_no_file_behind(tmp_path: Path) -> None:
+    target = tmp_path / "out.json"
+    assert main(["check", "--no-proofs", "--json", str(target), "--config",
+                 str(tmp_path / "absent.toml")]) == EXIT_USAGE
+    assert not target.exists()
+
+
+# In-process rows: the failure is injected by replacing the battery (or the simulator)
+# with a stub, so each code is pinned without needing a real kvcore bug.
+
+
+def _failure(kind: str, ids: list[str]) -> _check.Failure:
+    return _check.Failure(kind, ids, f"{kind} failure for the test",
+                          "kvcore simulate --preset gpt-oss --seed 3 --check-options")
+
+
+def _stub_battery(monkeypatch: pytest.MonkeyPatch, failure: _check.Failure | None,
+                  proofs: tuple[object, str] = (True, "9 passed")) -> None:
+    def battery(*_args: Any, **_kwargs: Any) -> _check.BatteryResult:
+        return _check.BatteryResult(checked={"E1": 1}, failure=failure)
+    monkeypatch.setattr(_check, "run_battery", battery)
+    monkeypatch.setattr(_check, "run_proofs", lambda: proofs)
+
+
+CHECK_ROWS: list[tuple[str, str | None, tuple[object, str], int]] = [
+    ("clean", None, (True, "9 passed"), EXIT_OK),
+    ("invariant broken", "invariant", (True, "9 passed"), EXIT_FAIL),
+    ("wrong bytes", "integrity", (True, "9 passed"), EXIT_FAIL),
+    ("did not settle", "liveness", (True, "9 passed"), EXIT_LIVENESS),
+    ("crash in the battery", "crash", (True, "9 passed"), EXIT_CRASH),
+    ("proof failed", None, (False, "1 failed"), EXIT_FAIL),
+    ("proof inconclusive", None, ("inconclusive", "1 inconclusive"), EXIT_INCONCLUSIVE),
+    ("inconclusive under a failure", "invariant", ("inconclusive", "1 inconclusive"),
+     EXIT_FAIL),
+    ("inconclusive under a liveness failure", "liveness", ("inconclusive", "x"),
+     EXIT_LIVENESS),
+    ("proofs skipped (installed wheel)", None, (None, "skipped"), EXIT_OK),
+]
+
+
+@pytest.mark.parametrize(("kind", "proofs", "code"),
+                         [pytest.param(k, p, c, id=n) for n, k, p, c in CHECK_ROWS])
+def test_check_exit_code_per_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str], kind: str | None,
+                                     proofs: tuple[object, str], code: int) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    _stub_battery(monkeypatch, _failure(kind, ["E1"]) if kind else None, proofs)
+    out = tmp_path / "report.json"
+    assert main(["check", "--preset", "gpt-oss", "--json", str(out)]) == code
+    report = json.loads(out.read_text())
+    assert report["exit_code"] == code and report["ok"] is (code == EXIT_OK)
+    captured = capsys.readouterr()
+    crash_files = list(tmp_path.glob("kvcore-crash-*.txt"))
+    if code == EXIT_CRASH:
+        # Where the details went is printed, and the file holds the reproducer.
+        (path,) = crash_files
+        assert str(path) in captured.err
+        assert "--seed 3 --check-options" in path.read_text()
+    else:
+        assert crash_files == []
+    if code == EXIT_INCONCLUSIVE:
+        assert report["proofs"]["status"] == "inconclusive"
+        assert "INCONCLUSIVE" in captured.out and "FAILED" not in captured.out
+
+
+def test_a_surviving_mutant_is_a_correctness_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    _stub_battery(monkeypatch, None)
+    survivor = _check.MutantOutcome("m", "upstream#1", False, "", "gpt-oss", 0.0)
+    monkeypatch.setattr(_check, "run_mutants", lambda *_a, **_k: [survivor])
+    assert main(["check", "--preset", "gpt-oss", "--mutants"]) == EXIT_FAIL
+
+
+def test_an_uncaught_crash_writes_its_traceback_and_exits_4(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def explode(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("kvcore broke inside the battery")
+    monkeypatch.setattr(_check, "run_battery", explode)
+    assert main(["check", "--preset", "gpt-oss", "--no-proofs"]) == EXIT_CRASH
+    err = capsys.readouterr().err
+    (path,) = tmp_path.glob("kvcore-crash-*.txt")
+    assert f"traceback written to {path}" in err and "Traceback" not in err
+    text = path.read_text()
+    assert "Traceback" in text and "RuntimeError: kvcore broke inside the battery" in text
+    assert "in explode" in text
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (InvariantViolation([Violation("E1", "e1 broken", {})]), EXIT_FAIL),
+    (IntegrityError("wrong bytes loaded"), EXIT_FAIL),
+    (AssertionError("the run did not settle in 100 steps"), EXIT_LIVENESS),
+    (RuntimeError("boom"), EXIT_CRASH),
+], ids=["invariant", "integrity", "liveness", "crash"])
+def test_simulate_failures_keep_their_exit_codes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: Exception, code: int) -> None:
+    import kvcore.sim
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def fail(*_args: Any, **_kwargs: Any) -> Any:
+        raise exc
+    monkeypatch.setattr(kvcore.sim, "simulate", fail)
+    assert main(["simulate", "--preset", "gpt-oss"]) == code
+    assert len(list(tmp_path.glob("kvcore-crash-*.txt"))) == (code == EXIT_CRASH)
+
+
+def test_fuzz_failure_exit_code_and_database_note(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def machine(_cfg: Any, _ex: int, _st: int, result: _check.BatteryResult,
+                **_kw: Any) -> None:
+        result.failure = _failure("liveness", ["liveness"])
+    monkeypatch.setattr(_check, "run_machine", machine)
+    db = tmp_path / "db"
+    assert main(["fuzz", "--preset", "gpt-oss", "--duration", "60s", "--db", str(db)]) \
+        == EXIT_LIVENESS
+    assert "saved to the example database" in capsys.readouterr().out
+    assert db.is_dir()
