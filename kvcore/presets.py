@@ -7,7 +7,7 @@ choices for those models; pass ``--config`` with your own TOML when yours differ
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
@@ -94,10 +94,13 @@ DEFAULT_PRESET = "deepseek-v4-mtp"
 
 
 def preset(name: str, **overrides: object) -> OffloadConfig:
-    """The named preset, with fields overridden (validated again)."""
-    try:
-        base = PRESETS[name]()
-    except KeyError:
+    """The named preset, with fields overridden (validated again, like any config)."""
+    if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError("preset", f"preset={name!r} is unknown; choose one of "
-                          f"{', '.join(sorted(PRESETS))}") from None
+                          f"{', '.join(sorted(PRESETS))}")
+    unknown = sorted(set(overrides) - {f.name for f in fields(OffloadConfig)})
+    if unknown:
+        raise ConfigError(unknown[0], f"{unknown[0]} is not an OffloadConfig field; known "
+                          f"fields: {', '.join(f.name for f in fields(OffloadConfig))}")
+    base = PRESETS[name]()
     return replace(base, **overrides) if overrides else base  # type: ignore[arg-type]

@@ -318,3 +318,16 @@ def test_fuzz_failure_exit_code_and_database_note(
         == EXIT_LIVENESS
     assert "saved to the example database" in capsys.readouterr().out
     assert db.is_dir()
+
+
+def test_preset_overrides_are_validated() -> None:
+    assert preset("gemma3", num_workers=4).num_workers == 4
+    with pytest.raises(ConfigError) as info:
+        preset("gemma3", num_gpu_blocks=10**15)
+    assert info.value.field == "num_gpu_blocks"
+    with pytest.raises(ConfigError) as info:
+        preset("gemma3", gpu_blocks=8)
+    assert info.value.field == "gpu_blocks"
+    with pytest.raises(ConfigError) as info:
+        preset(["gemma3"])  # type: ignore[arg-type]
+    assert info.value.field == "preset"
