@@ -33,6 +33,7 @@ from kvcore.cli import (
     EXIT_LIVENESS,
     EXIT_OK,
     EXIT_USAGE,
+    _saved_note,
     main,
 )
 from kvcore.presets import PRESETS, preset
@@ -331,3 +332,18 @@ def test_preset_overrides_are_validated() -> None:
     with pytest.raises(ConfigError) as info:
         preset(["gemma3"])  # type: ignore[arg-type]
     assert info.value.field == "preset"
+
+
+def test_no_saved_claim_when_the_database_went_away() -> None:
+    """A Redis server that stops answering mid-run has not kept the counterexample."""
+    class Gone:
+        def ping(self) -> None:
+            raise ConnectionError("connection refused")
+
+    class Up:
+        def ping(self) -> bool:
+            return True
+
+    gone, up = type("Db", (), {"redis": Gone()})(), type("Db", (), {"redis": Up()})()
+    assert "not saved" in _saved_note(gone) and "saved to" not in _saved_note(gone)
+    assert "saved to the example database" in _saved_note(up)
