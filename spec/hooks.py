@@ -81,8 +81,16 @@ def check_ids(where: str, name: str, value: object) -> tuple[int, ...]:
     return cast("tuple[int, ...]", ids)
 
 
+def _fine_ids(ids: object) -> bool:
+    """The fast path: a tuple of ints >= 0 (what engines pass every step)."""
+    return type(ids) is tuple and (not ids or (set(map(type, ids)) <= _INT
+                                               and min(ids) >= 0))
+
+
 def check_id_tables(where: str, name: str, value: object) -> tuple[tuple[int, ...], ...]:
     """Per-group block id lists: a sequence of sequences of ints >= 0."""
+    if type(value) is tuple and all(map(_fine_ids, value)):
+        return value
     tables = _sequence(where, name, value, "per-group block id lists")
     return tuple(check_ids(where, f"{name}[{g}]", t) for g, t in enumerate(tables))
 
@@ -155,16 +163,36 @@ class ScheduledRequest:
     resumed: bool = False
 
     def __post_init__(self) -> None:
+        # Built for every scheduled request of every step: cheap checks first, the
+        # error-building helpers only when one fails.
         where = "ScheduledRequest"
-        check_request_id(where, self.request_id)
-        check_int(where, "scheduled_tokens", self.scheduled_tokens)
-        check_int(where, "computed_tokens", self.computed_tokens)
-        check_int(where, "num_tokens", self.num_tokens)
-        object.__setattr__(self, "new_block_ids",
-                           check_id_tables(where, "new_block_ids", self.new_block_ids))
-        object.__setattr__(self, "new_hashes",
-                           check_hashes(where, "new_hashes", self.new_hashes))
-        check_bool(where, "resumed", self.resumed)
+        rid = self.request_id
+        if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
+            check_request_id(where, rid)
+        s, c, n = self.scheduled_tokens, self.computed_tokens, self.num_tokens
+        if not (type(s) is int and type(c) is int and type(n) is int
+                and 0 <= s <= MAX_TOKENS and 0 <= c <= MAX_TOKENS and 0 <= n <= MAX_TOKENS):
+            for name, value in (("scheduled_tokens", s), ("computed_tokens", c),
+                                ("num_tokens", n)):
+                check_int(where, name, value)
+        ids = self.new_block_ids
+        fine = type(ids) is tuple
+        if fine:
+            for t in ids:
+                if type(t) is not tuple or (t and not (set(map(type, t)) <= _INT
+                                                       and min(t) >= 0)):
+                    fine = False
+                    break
+        if not fine:
+            object.__setattr__(self, "new_block_ids",
+                               check_id_tables(where, "new_block_ids", ids))
+        h = self.new_hashes
+        if h != () and not (type(h) is tuple and set(map(type, h)) <= _BYTES
+                            and len(set(map(len, h))) == 1
+                            and 0 < len(h[0]) <= MAX_HASH_BYTES):
+            object.__setattr__(self, "new_hashes", check_hashes(where, "new_hashes", h))
+        if type(self.resumed) is not bool:
+            check_bool(where, "resumed", self.resumed)
 
 
 @dataclass(frozen=True)
