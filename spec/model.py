@@ -43,10 +43,9 @@ stated here so that the implementation has a definition to match):
 
 Inputs are the hook dataclasses of ``kvcore.spec.hooks`` (the protocols below say which
 fields are read), checked with ``isinstance`` so that both schedulers reject the same
-calls. The outputs are this module's own
-dataclasses with the same field names, in the same order, as ``kvcore.scheduler``'s, so
-``dataclasses.astuple`` of either compares equal. Errors are ``kvcore.spec.errors``'s, the
-same classes the implementation raises.
+calls. The outputs are this module's own dataclasses with the same field names, in the
+same order, as ``kvcore.scheduler``'s, so ``dataclasses.astuple`` of either compares
+equal. Errors are ``kvcore.spec.errors``'s, the same classes the implementation raises.
 """
 
 from __future__ import annotations

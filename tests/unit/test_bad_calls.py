@@ -336,3 +336,20 @@ def test_error_fields_name_argument_value_and_bound() -> None:
         s.add_hashes("a", [b"h" * 16])
     assert (hashed.value.argument, hashed.value.value) == ("len(hashes[0])", 16)
     assert "8 bytes" in hashed.value.bound
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_lookup_hit_is_loaded_once(setup: str) -> None:
+    """After 'b''s load settles, the same hit cannot be loaded again without a lookup
+    (the engine would otherwise pin and copy the chunks twice), and a new lookup allows
+    it again."""
+    s = SETUPS[setup]()
+    history(s)
+    s.build_step(StepInput((), (), frozenset(range(21, 27))))
+    s.worker_output([WorkerReport(0, LOAD_JOB), WorkerReport(1, LOAD_JOB)])
+    before = snapshot(s)
+    with pytest.raises(E.ArgumentRangeError):
+        s.after_alloc("b", ((21, 22, 23), (24, 25, 26)), (0, 0), 0, 8)
+    assert snapshot(s) == before
+    assert s.lookup("b", 0, 9) == 8
+    assert s.after_alloc("b", ((21, 22, 23), (24, 25, 26)), (0, 0), 0, 8) is not None
