@@ -22,12 +22,15 @@ from kvcore.spec.types import GroupKind, OffloadConfig
 
 
 def check_tables(cfg: OffloadConfig, where: str, name: str,
-                 tables: Sequence[Sequence[int]]) -> None:
+                 tables: Sequence[Sequence[int]], owner: str = "") -> None:
     """Every id below ``num_gpu_blocks``; 0 (the null block) only in SLIDING/MAMBA groups.
 
     A FULL group's blocks all hold KV the engine computed or loads, so a null there is an
-    engine bug that would be stored or loaded as if it were data.
+    engine bug that would be stored or loaded as if it were data. ``owner`` (a request id)
+    prefixes the argument's name in errors; names are built only when one is raised.
     """
+    if owner:
+        name = f"{owner}.{name}" if tables else name
     limit = cfg.num_gpu_blocks
     for group, ids in enumerate(tables):
         if not ids:
@@ -68,12 +71,13 @@ def check_unique(step: StepInput) -> None:
 
 
 def hash_length(where: str, name: str, current: int | None,
-                hashes: Sequence[bytes]) -> int | None:
+                hashes: Sequence[bytes], owner: str = "") -> int | None:
     """The scheduler's hash length after ``hashes``; raises if they have another one."""
     if not hashes:
         return current
     size = len(hashes[0])
     if current is not None and size != current:
+        name = f"{owner}.{name}" if owner else name
         raise HashError(where, f"len({name}[0])", size, f"{current} bytes (the length of "
                         "every hash this scheduler has seen)",
                         "pass hashes from the engine's one hash function")

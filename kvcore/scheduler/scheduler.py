@@ -350,9 +350,9 @@ class OffloadScheduler:
         if sr.new_block_ids and len(sr.new_block_ids) != len(cfg.groups):
             raise BadStepError(f"request {rid!r}: {len(sr.new_block_ids)} block lists for "
                                f"{len(cfg.groups)} groups")
-        _validate.check_tables(cfg, "build_step", f"{rid}.new_block_ids", sr.new_block_ids)
-        hash_len = _validate.hash_length("build_step", f"{rid}.new_hashes", hash_len,
-                                         sr.new_hashes)
+        _validate.check_tables(cfg, "build_step", "new_block_ids", sr.new_block_ids, rid)
+        hash_len = _validate.hash_length("build_step", "new_hashes", hash_len,
+                                         sr.new_hashes, rid)
         hashes = len(req.hashes) + len(sr.new_hashes)
         if sr.num_tokens // cfg.hash_block_tokens > hashes:
             raise BadStepError(f"request {rid!r}: num_tokens={sr.num_tokens} but only "
