@@ -198,6 +198,7 @@ class ReferenceManager:
 
     def state_of(self, key: Key) -> str | None:
         """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
+        check_key("state_of", key)
         if key not in self.state:
             return None
         if self.state[key] == "ready" and self.pins[key] > 0:
@@ -206,6 +207,7 @@ class ReferenceManager:
 
     def slot_of(self, key: Key) -> int | None:
         """The key's slot, or None when absent."""
+        check_key("slot_of", key)
         return self.slot.get(key)
 
     def evictable_keys(self, protected: Sequence[Key] = ()) -> list[Key]:

@@ -114,6 +114,7 @@ class CPUOffloadManager(OffloadManager):
 
     def state_of(self, key: Key) -> str | None:
         """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
+        check_key("state_of", key)
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -122,6 +123,7 @@ class CPUOffloadManager(OffloadManager):
         return "pinned" if entry.pins else "ready"
 
     def slot_of(self, key: Key) -> int | None:
+        check_key("slot_of", key)
         entry = self._entries.get(key)
         return None if entry is None else entry.slot
 

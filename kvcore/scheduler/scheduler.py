@@ -36,6 +36,7 @@ from kvcore.spec.hooks import (
     SchedulerStats,
     StepInput,
     StepPlan,
+    MAX_REPORT_INT,
     WorkerReport,
     check_hashes,
     check_id_tables,
@@ -80,6 +81,9 @@ class OffloadScheduler:
 
     def __init__(self, config: OffloadConfig, manager: Any, *,
                  check: bool | None = None) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise ArgumentTypeError("OffloadScheduler", "config", config, "OffloadConfig",
+                                    "build the configuration with kvcore.OffloadConfig")
         self.config = config
         self.manager = manager
         self.check = checks_enabled(check)
@@ -585,6 +589,7 @@ class OffloadScheduler:
         return bool(self._jobs.jobs)
 
     def job_in_flight(self, job_id: int) -> bool:
+        check_int("job_in_flight", "job_id", job_id, 0, MAX_REPORT_INT)
         return job_id in self._jobs.jobs
 
     def jobs_of(self, request_id: str) -> frozenset[int]:

@@ -292,6 +292,8 @@ BAD: dict[str, Bad] = {
     "manager.complete_store: success=1": Bad(mgr("complete_store", [A_WRITING], 1), T),
     "manager.complete_store: int key": Bad(mgr("complete_store", [A_WRITING, 3]),
                                            E.BadKeyError),
+    "manager.slot_of: list key (unhashable)": Bad(mgr("slot_of", [C_READY]), E.BadKeyError),
+    "manager.state_of: str key": Bad(mgr("state_of", "key"), E.BadKeyError),
 }
 
 SETUPS: dict[str, Callable[[], Any]] = {
@@ -305,6 +307,14 @@ SETUPS: dict[str, Callable[[], Any]] = {
 
 def test_the_table_is_large_enough() -> None:
     assert len(BAD) >= 60
+
+
+def test_scheduler_wants_a_config() -> None:
+    with pytest.raises(E.ArgumentTypeError):
+        OffloadScheduler({"groups": ()}, CPUOffloadManager(4))  # type: ignore[arg-type]
+    s = SETUPS["checks off"]()
+    with pytest.raises(E.ArgumentTypeError):
+        s.job_in_flight("1")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
