@@ -28,6 +28,7 @@ from kvcore.spec.errors import (
     UnknownRequestError,
 )
 from kvcore.spec.hooks import (
+    MAX_REPORT_INT,
     KeyEvent,
     LoadFailure,
     OutputResult,
@@ -36,7 +37,6 @@ from kvcore.spec.hooks import (
     SchedulerStats,
     StepInput,
     StepPlan,
-    MAX_REPORT_INT,
     WorkerReport,
     check_hashes,
     check_id_tables,
