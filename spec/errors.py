@@ -157,3 +157,116 @@ class InvalidKeyError(TypeError):
 
     def __str__(self) -> str:
         return self.message
+
+
+# -- argument errors (the boundary's validation layer) ------------------------------------
+# Raised by the hooks, the hook dataclasses and the manager before anything changes. Each
+# carries ``where`` (the call), ``argument`` (the name, with an index when it is one item
+# of a sequence), ``value``, ``bound`` (what was allowed) and ``fix`` as fields.
+
+
+def _short_value(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:56] + "...'"
+
+
+class ArgumentTypeError(TypeError):
+    """An argument of the wrong type: a ``str`` hash, a ``bool`` count, a list for an id.
+
+    ``bound`` names the type expected. Checked before any state changes, so a caller that
+    catches it can fix the call and go on with an unchanged scheduler or manager.
+    """
+
+    def __init__(self, where: str, argument: str, value: object, bound: str,
+                 fix: str) -> None:
+        self.where = where
+        self.argument = argument
+        self.value = value
+        self.bound = bound
+        self.fix = fix
+        self.message = (f"{where}: {argument}={_short_value(value)} is a "
+                        f"{type(value).__name__}, expected {bound}; {fix}")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ArgumentRangeError(ValueError):
+    """An argument of the right type outside its range (a negative count, a job id 0).
+
+    ``bound`` says the allowed range; the message names the argument, the value and what
+    to pass instead. Nothing has changed when it is raised.
+    """
+
+    def __init__(self, where: str, argument: str, value: object, bound: str,
+                 fix: str) -> None:
+        self.where = where
+        self.argument = argument
+        self.value = value
+        self.bound = bound
+        self.fix = fix
+        self.message = (f"{where}: {argument}={_short_value(value)} is outside {bound}; "
+                        f"{fix}")
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BlockIdError(ArgumentRangeError):
+    """A GPU block id outside ``1..num_gpu_blocks-1``, or a null (0) where none may be.
+
+    ``group`` is the group whose table held it (None for ``allocated_ids``). A store plan
+    holding such an id would hand a worker an address outside the GPU pool.
+    """
+
+    def __init__(self, where: str, argument: str, value: object, bound: str, fix: str,
+                 group: int | None = None) -> None:
+        self.group = group
+        super().__init__(where, argument, value, bound, fix)
+
+
+class HashError(ArgumentRangeError):
+    """A block hash of a length other than the one this scheduler's hashes have.
+
+    The first hash a scheduler accepts fixes the length (``bound``) for its lifetime: one
+    engine uses one hash function, and a mixed length means two callers disagree.
+    """
+
+
+class DuplicateRequestError(BadStepError):
+    """One request twice in one ``StepInput`` (scheduled twice, or preempted twice).
+
+    Its block lists would both be appended to its table and a later store would copy
+    one block under another's key. ``argument`` is the field, ``value`` the request id.
+    """
+
+    def __init__(self, where: str, argument: str, value: str) -> None:
+        self.where = where
+        self.argument = argument
+        self.value = value
+        self.bound = "each request at most once per step"
+        self.fix = "merge its entries into one ScheduledRequest"
+        super().__init__(f"{where}: request {value!r} appears twice in {argument}; "
+                         f"{self.bound}: {self.fix}")
+
+
+class BadKeyError(InvalidKeyError):
+    """A manager call got a key that is not ``bytes`` of a key's length (1..``bound``).
+
+    ``where`` names the call; like ``InvalidKeyError`` (its base) it is raised before the
+    tier changes.
+    """
+
+    def __init__(self, where: str, key: object, bound: int) -> None:
+        super().__init__(key)
+        self.where = where
+        self.argument = "key"
+        self.value = key
+        self.bound = bound
+        kind = type(key).__name__
+        what = (f"is a {kind}, not bytes" if type(key) is not bytes
+                else f"has {len(key)} bytes, outside 1..{bound}")
+        self.message = (f"{where}: key {short_key(key)} {what}; build keys with "
+                        "kvcore.spec.types.make_key")

@@ -7,10 +7,113 @@ very same values, and refinement compares them directly.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Set
 from dataclasses import dataclass, field
+from typing import cast
 
+from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError
 from kvcore.spec.plans import TransferPlan
 from kvcore.spec.types import Key
+
+# Limits on what a hook accepts. A hash longer than 64 bytes is no hash function an engine
+# uses (SHA-256 is 32, vLLM's are 8-32); a request id of more than 1024 characters is a
+# caller passing the wrong string; 2**40 tokens is far beyond any context length, so a
+# larger count is a units or sign mistake. Report counters stay below 2**62.
+MAX_HASH_BYTES = 64
+MAX_REQUEST_ID_CHARS = 1024
+MAX_TOKENS = 1 << 40
+MAX_REPORT_INT = 1 << 62
+_INT = frozenset({int})
+_BYTES = frozenset({bytes})
+_SEQUENCES = (list, tuple)
+
+
+# -- type-level checks (shared by the hook dataclasses, the scheduler and the model) ------
+# They look at one value and nothing else: no config, no state. Each raises
+# ArgumentTypeError or ArgumentRangeError naming the argument, the bound and the fix.
+
+
+def check_int(where: str, name: str, value: object, low: int = 0,
+              high: int = MAX_TOKENS) -> int:
+    """``value`` as an int in ``low..high`` (a ``bool`` is not an int here)."""
+    if type(value) is not int:
+        raise ArgumentTypeError(where, name, value, "int", f"pass a plain int in {low}..{high}")
+    if not low <= value <= high:
+        raise ArgumentRangeError(where, name, value, f"{low}..{high}",
+                                 f"pass an int in {low}..{high}")
+    return value
+
+
+def check_bool(where: str, name: str, value: object) -> bool:
+    """``value`` as a ``bool``: "no", 0 and None are not booleans."""
+    if type(value) is not bool:
+        raise ArgumentTypeError(where, name, value, "bool", "pass True or False")
+    return value
+
+
+def check_request_id(where: str, value: object) -> str:
+    """A request id: a non-empty ``str`` of at most ``MAX_REQUEST_ID_CHARS`` characters."""
+    if type(value) is not str:
+        raise ArgumentTypeError(where, "request_id", value, "str",
+                                "pass the engine's request id as a str")
+    if not 0 < len(value) <= MAX_REQUEST_ID_CHARS:
+        raise ArgumentRangeError(where, "request_id", value,
+                                 f"1..{MAX_REQUEST_ID_CHARS} characters",
+                                 "pass the engine's (non-empty) request id")
+    return value
+
+
+def _sequence(where: str, name: str, value: object, items: str) -> tuple[object, ...]:
+    if not isinstance(value, _SEQUENCES):
+        raise ArgumentTypeError(where, name, value, f"a list or tuple of {items}",
+                                f"wrap the {items} in a tuple")
+    return tuple(value)
+
+
+def check_ids(where: str, name: str, value: object) -> tuple[int, ...]:
+    """GPU block ids as a tuple of ints >= 0 (the config's upper bound is the caller's)."""
+    ids = _sequence(where, name, value, "ints")
+    if ids and (not set(map(type, ids)) <= _INT
+                or min(cast("tuple[int, ...]", ids)) < 0):
+        for i, x in enumerate(ids):
+            check_int(where, f"{name}[{i}]", x, 0, MAX_TOKENS)
+    return cast("tuple[int, ...]", ids)
+
+
+def _fine_ids(ids: object) -> bool:
+    """The fast path: a tuple of ints >= 0 (what engines pass every step)."""
+    return type(ids) is tuple and (not ids or (set(map(type, ids)) <= _INT
+                                               and min(ids) >= 0))
+
+
+def check_id_tables(where: str, name: str, value: object) -> tuple[tuple[int, ...], ...]:
+    """Per-group block id lists: a sequence of sequences of ints >= 0."""
+    if type(value) is tuple and all(map(_fine_ids, value)):
+        return value
+    tables = _sequence(where, name, value, "per-group block id lists")
+    return tuple(check_ids(where, f"{name}[{g}]", t) for g, t in enumerate(tables))
+
+
+def check_hashes(where: str, name: str, value: object) -> tuple[bytes, ...]:
+    """Block hashes: ``bytes``, 1..``MAX_HASH_BYTES`` long, all of one length."""
+    hashes = _sequence(where, name, value, "bytes hashes")
+    if not hashes:
+        return ()
+    if not set(map(type, hashes)) <= _BYTES:
+        bad = next(i for i, h in enumerate(hashes) if type(h) is not bytes)
+        raise ArgumentTypeError(where, f"{name}[{bad}]", hashes[bad], "bytes",
+                                "pass the engine's block hashes as bytes")
+    lengths = set(map(len, hashes))  # type: ignore[arg-type]
+    size = len(hashes[0])  # type: ignore[arg-type]
+    if len(lengths) > 1 or not 0 < size <= MAX_HASH_BYTES:
+        bad = next((i for i, h in enumerate(hashes) if len(h) != size),  # type: ignore[arg-type]
+                   0)
+        raise ArgumentRangeError(where, f"len({name}[{bad}])",
+                                 len(hashes[bad]),  # type: ignore[arg-type]
+                                 f"1..{MAX_HASH_BYTES} bytes, one length for every hash",
+                                 "pass every hash from the same hash function")
+    return hashes  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -28,6 +131,16 @@ class RequestInfo:
     block_hashes: tuple[bytes, ...] = ()
     max_offload_tokens: int | None = None
     skip_reading: bool = False
+
+    def __post_init__(self) -> None:
+        where = "RequestInfo"
+        check_request_id(where, self.request_id)
+        check_int(where, "prompt_tokens", self.prompt_tokens)
+        object.__setattr__(self, "block_hashes",
+                           check_hashes(where, "block_hashes", self.block_hashes))
+        if self.max_offload_tokens is not None:
+            check_int(where, "max_offload_tokens", self.max_offload_tokens)
+        check_bool(where, "skip_reading", self.skip_reading)
 
 
 @dataclass(frozen=True)
@@ -49,6 +162,38 @@ class ScheduledRequest:
     new_hashes: tuple[bytes, ...] = ()
     resumed: bool = False
 
+    def __post_init__(self) -> None:
+        # Built for every scheduled request of every step: cheap checks first, the
+        # error-building helpers only when one fails.
+        where = "ScheduledRequest"
+        rid = self.request_id
+        if type(rid) is not str or not 0 < len(rid) <= MAX_REQUEST_ID_CHARS:
+            check_request_id(where, rid)
+        s, c, n = self.scheduled_tokens, self.computed_tokens, self.num_tokens
+        if not (type(s) is int and type(c) is int and type(n) is int
+                and 0 <= s <= MAX_TOKENS and 0 <= c <= MAX_TOKENS and 0 <= n <= MAX_TOKENS):
+            for name, value in (("scheduled_tokens", s), ("computed_tokens", c),
+                                ("num_tokens", n)):
+                check_int(where, name, value)
+        ids = self.new_block_ids
+        fine = type(ids) is tuple
+        if fine:
+            for t in ids:
+                if type(t) is not tuple or (t and not (set(map(type, t)) <= _INT
+                                                       and min(t) >= 0)):
+                    fine = False
+                    break
+        if not fine:
+            object.__setattr__(self, "new_block_ids",
+                               check_id_tables(where, "new_block_ids", ids))
+        h = self.new_hashes
+        if h != () and not (type(h) is tuple and set(map(type, h)) <= _BYTES
+                            and len(set(map(len, h))) == 1
+                            and 0 < len(h[0]) <= MAX_HASH_BYTES):
+            object.__setattr__(self, "new_hashes", check_hashes(where, "new_hashes", h))
+        if type(self.resumed) is not bool:
+            check_bool(where, "resumed", self.resumed)
+
 
 @dataclass(frozen=True)
 class StepInput:
@@ -57,6 +202,26 @@ class StepInput:
     requests: tuple[ScheduledRequest, ...] = ()
     preempted: tuple[str, ...] = ()
     allocated_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        where = "StepInput"
+        requests = _sequence(where, "requests", self.requests, "ScheduledRequest")
+        for i, sr in enumerate(requests):
+            if not isinstance(sr, ScheduledRequest):
+                raise ArgumentTypeError(where, f"requests[{i}]", sr, "ScheduledRequest",
+                                        "describe each scheduled request with one")
+        preempted = _sequence(where, "preempted", self.preempted, "request ids")
+        for rid in preempted:
+            check_request_id(where, rid)
+        ids = self.allocated_ids
+        if not isinstance(ids, Set | list | tuple) or isinstance(ids, str | bytes):
+            raise ArgumentTypeError(where, "allocated_ids", ids, "a frozenset of ints",
+                                    "pass every GPU id handed out this step")
+        allocated = frozenset(ids)
+        check_ids(where, "allocated_ids", tuple(allocated))
+        object.__setattr__(self, "requests", requests)
+        object.__setattr__(self, "preempted", preempted)
+        object.__setattr__(self, "allocated_ids", allocated)
 
 
 @dataclass(frozen=True)
@@ -77,6 +242,20 @@ class WorkerReport:
     success: bool = True
     bytes: int = 0
     seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = "WorkerReport"
+        check_int(where, "worker", self.worker, 0, MAX_REPORT_INT)
+        check_int(where, "job_id", self.job_id, 1, MAX_REPORT_INT)
+        check_bool(where, "success", self.success)
+        check_int(where, "bytes", self.bytes, 0, MAX_REPORT_INT)
+        seconds = self.seconds
+        if type(seconds) not in (float, int):
+            raise ArgumentTypeError(where, "seconds", seconds, "float",
+                                    "pass the job's duration in seconds")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ArgumentRangeError(where, "seconds", seconds, "a finite float >= 0",
+                                     "pass the job's duration in seconds")
 
 
 @dataclass(frozen=True)
@@ -124,4 +303,5 @@ class SchedulerStats:
     failed_stores: int = 0
     store_skipped_no_room: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    events_dropped: int = 0
 

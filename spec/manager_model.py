@@ -21,7 +21,13 @@ Semantics (DESIGN.md, "Manager (CPU tier)"; invariant M1):
 - Events: one removed event per evicting ``prepare_store``, one stored event per
   successful ``complete_store`` that made keys READY. A failed store emits nothing: its
   keys were never announced, so there is nothing to withdraw (a failed transfer never
-  becomes a hit, X1). ``reset`` drops pending events and emits none.
+  becomes a hit, X1). ``reset`` drops pending events and emits none. The pending events
+  hold at most ``max_pending_events`` keys: beyond that the oldest keys are dropped (an
+  event loses its oldest keys first) and counted in ``events_dropped``, so a caller that
+  never drains them costs bounded memory.
+- Arguments are checked before anything changes: keys are ``bytes`` of 1..MAX_KEY_BYTES
+  in a list or tuple, ``success`` is a ``bool``; otherwise ``BadKeyError`` or
+  ``ArgumentTypeError``.
 - Cumulative counters (evictions, stores skipped, keys stored) survive ``reset``: they
   are metrics, and a metric counter never goes backwards.
 
@@ -36,15 +42,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcore.spec.errors import (
+    ArgumentTypeError,
+    BadKeyError,
     ConfigError,
     InvalidKeyError,
     KeyNotReadyError,
     NotPinnedError,
 )
-from kvcore.spec.types import Key, Status
+from kvcore.spec.hooks import MAX_HASH_BYTES
+from kvcore.spec.types import (
+    DEFAULT_MAX_PENDING_EVENTS,
+    KEY_GROUP_BYTES,
+    Key,
+    Status,
+    check_pending_events,
+)
 
 # A limit on everything: a capacity beyond this is a units mistake (bytes for chunks).
 MAX_CAPACITY_CHUNKS = 1 << 40
+# A key is a hash plus the group's bytes (``make_key``); anything longer is not a key.
+MAX_KEY_BYTES = MAX_HASH_BYTES + KEY_GROUP_BYTES
 
 # -- values -----------------------------------------------------------------------------
 
@@ -88,6 +105,7 @@ class ManagerStats:
     evictions: int
     stores_skipped_no_room: int
     stored_keys: int
+    events_dropped: int = 0
 
 
 # -- operating errors -------------------------------------------------------------------
@@ -113,6 +131,34 @@ def check_key_types(keys: Sequence[object]) -> None:
             raise InvalidKeyError(key)
 
 
+_BYTES = frozenset({bytes})
+
+
+def check_key(where: str, key: object) -> None:
+    """Raise BadKeyError unless ``key`` is ``bytes`` of 1..MAX_KEY_BYTES (a type check)."""
+    if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+        raise BadKeyError(where, key, MAX_KEY_BYTES)
+
+
+def check_keys(where: str, keys: object) -> None:
+    """Raise unless ``keys`` is a list or tuple of valid keys (a ``str`` or ``bytes`` is
+    not a sequence of keys: iterating it would give characters or ints)."""
+    if not isinstance(keys, list | tuple):
+        raise ArgumentTypeError(where, "keys", keys, "a list or tuple of bytes keys",
+                                "wrap the keys in a list")
+    if keys and (not set(map(type, keys)) <= _BYTES
+                 or not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY_BYTES):
+        for key in keys:
+            check_key(where, key)
+
+
+def check_success(where: str, success: object) -> None:
+    """``success`` must be a ``bool``: "no" or 0 must not count as an outcome."""
+    if type(success) is not bool:
+        raise ArgumentTypeError(where, "success", success, "bool",
+                                "pass True if every byte landed, else False")
+
+
 # -- the model --------------------------------------------------------------------------
 
 
@@ -123,9 +169,13 @@ class ReferenceManager:
     hold its slot and pin count; ``recency`` lists the READY keys, least recent first.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int,
+                 max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS) -> None:
         check_capacity(capacity)
+        check_pending_events(max_pending_events)
         self.capacity = capacity
+        self.max_pending_events = max_pending_events
+        self.events_dropped = 0
         self.state: dict[Key, str] = {}
         self.slot: dict[Key, int] = {}
         self.pins: dict[Key, int] = {}
@@ -141,12 +191,14 @@ class ReferenceManager:
 
     def lookup(self, key: Key) -> Status:
         """HIT if READY (pinned or not), PENDING if WRITING, MISS if absent. Changes nothing."""
+        check_key("lookup", key)
         if key not in self.state:
             return Status.MISS
         return Status.HIT if self.state[key] == "ready" else Status.PENDING
 
     def state_of(self, key: Key) -> str | None:
         """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
+        check_key("state_of", key)
         if key not in self.state:
             return None
         if self.state[key] == "ready" and self.pins[key] > 0:
@@ -155,6 +207,7 @@ class ReferenceManager:
 
     def slot_of(self, key: Key) -> int | None:
         """The key's slot, or None when absent."""
+        check_key("slot_of", key)
         return self.slot.get(key)
 
     def evictable_keys(self, protected: Sequence[Key] = ()) -> list[Key]:
@@ -173,12 +226,14 @@ class ReferenceManager:
             evictions=self.evictions,
             stores_skipped_no_room=self.stores_skipped_no_room,
             stored_keys=self.stored_keys,
+            events_dropped=self.events_dropped,
         )
 
     # -- recency and loads --------------------------------------------------------------
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Make READY keys most recent, ``keys[0]`` last so it ends the most recent."""
+        check_keys("touch", keys)
         for key in reversed(keys):
             if key in self.recency:
                 self.recency.remove(key)
@@ -186,6 +241,7 @@ class ReferenceManager:
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         """Pin every key (once per occurrence) and return their slots in key order."""
+        check_keys("prepare_load", keys)
         for key in keys:
             if self.state.get(key) != "ready":
                 raise KeyNotReadyError(key, "writing" if key in self.state else "absent")
@@ -195,6 +251,7 @@ class ReferenceManager:
 
     def complete_load(self, keys: Sequence[Key]) -> None:
         """Release one pin per occurrence of each key."""
+        check_keys("complete_load", keys)
         for key in keys:
             pins, releases = self.pins.get(key, 0), list(keys).count(key)
             if self.state.get(key) != "ready" or pins < releases:
@@ -212,7 +269,7 @@ class ReferenceManager:
         can check that policy against this model: it must name exactly the number of keys
         needed, all evictable and outside the call, or ValueError is raised.
         """
-        check_key_types(keys)
+        check_keys("prepare_store", keys)
         to_store: list[Key] = []
         for key in keys:
             if key not in self.state and key not in to_store:
@@ -232,7 +289,7 @@ class ReferenceManager:
             self.free_slots.append(self.slot[key])
             self._forget(key)
         if chosen:
-            self.events.append(ManagerEvent(tuple(chosen), removed=True))
+            self._emit(ManagerEvent(tuple(chosen), removed=True))
             self.evictions += len(chosen)
         slots = tuple(self._allocate(key) for key in to_store)
         return PrepareStoreResult(tuple(to_store), slots, tuple(chosen))
@@ -243,6 +300,8 @@ class ReferenceManager:
         READY and absent keys are left alone: a key may have been present before the
         store was prepared, and the scheduler, not the tier, accounts for jobs (J2).
         """
+        check_keys("complete_store", keys)
+        check_success("complete_store", success)
         done = [k for k in dict.fromkeys(keys) if self.state.get(k) == "writing"]
         for key in done:
             if success:
@@ -252,7 +311,7 @@ class ReferenceManager:
                 self.free_slots.append(self.slot[key])
                 self._forget(key)
         if success and done:
-            self.events.append(ManagerEvent(tuple(done), removed=False))
+            self._emit(ManagerEvent(tuple(done), removed=False))
             self.stored_keys += len(done)
 
     def take_events(self) -> list[ManagerEvent]:
@@ -266,6 +325,21 @@ class ReferenceManager:
         self.next_fresh_slot, self.free_slots, self.events = 0, [], []
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _emit(self, event: ManagerEvent) -> None:
+        """Append an event; beyond ``max_pending_events`` keys, drop the oldest keys."""
+        self.events.append(event)
+        excess = sum(len(e.keys) for e in self.events) - self.max_pending_events
+        while excess > 0:
+            first = self.events[0]
+            if len(first.keys) <= excess:
+                del self.events[0]
+                dropped = len(first.keys)
+            else:
+                self.events[0] = ManagerEvent(first.keys[excess:], first.removed)
+                dropped = excess
+            self.events_dropped += dropped
+            excess -= dropped
 
     def _allocate(self, key: Key) -> int:
         if self.next_fresh_slot < self.capacity:

@@ -33,12 +33,19 @@ stated here so that the implementation has a definition to match):
 - Every hook checks its whole input before it changes anything: a rejected call (an
   unknown request or job, a duplicate report, block lists of the wrong group count,
   hashes or block tables shorter than the tokens claimed) leaves the state as it was.
+- Argument rules (the same errors as the implementation's): the hook dataclasses check
+  their own field types when built; on top, a GPU block id is below ``num_gpu_blocks``
+  and is 0 (null) only in a SLIDING/MAMBA group's table; ``allocated_ids`` are
+  ``1..num_gpu_blocks-1``; a step names each request once in ``requests`` and once in
+  ``preempted``; every hash has the length of the first hash the scheduler accepted;
+  ``after_alloc`` loads 0 tokens or exactly the latest lookup's hit, with its
+  ``computed_tokens``, once.
 
-Inputs are duck-typed (``kvcore.scheduler``'s hook dataclasses fit the protocols below),
-because ``spec`` imports nothing from ``kvcore``. The outputs are this module's own
-dataclasses with the same field names, in the same order, as ``kvcore.scheduler``'s, so
-``dataclasses.astuple`` of either compares equal. Errors are ``kvcore.spec.errors``'s, the
-same classes the implementation raises.
+Inputs are the hook dataclasses of ``kvcore.spec.hooks`` (the protocols below say which
+fields are read), checked with ``isinstance`` so that both schedulers reject the same
+calls. The outputs are this module's own dataclasses with the same field names, in the
+same order, as ``kvcore.scheduler``'s, so ``dataclasses.astuple`` of either compares
+equal. Errors are ``kvcore.spec.errors``'s, the same classes the implementation raises.
 """
 
 from __future__ import annotations
@@ -48,12 +55,31 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvcore.spec.errors import (
+    ArgumentRangeError,
+    ArgumentTypeError,
     BadReportError,
     BadStepError,
+    BlockIdError,
+    DuplicateRequestError,
+    HashError,
     UnknownJobError,
     UnknownRequestError,
 )
-from kvcore.spec.hooks import KeyEvent, LoadFailure, OutputResult, SchedulerStats, StepPlan
+from kvcore.spec.hooks import (
+    KeyEvent,
+    LoadFailure,
+    OutputResult,
+    RequestInfo,
+    SchedulerStats,
+    StepInput,
+    StepPlan,
+    WorkerReport,
+    check_hashes,
+    check_id_tables,
+    check_ids,
+    check_int,
+    check_request_id,
+)
 from kvcore.spec.load import load_plan
 from kvcore.spec.lookup import spec_hit
 from kvcore.spec.manager_model import ReferenceManager
@@ -144,6 +170,7 @@ class _Request:
     tables: list[list[int]]
     cursors: list[int]
     finished: bool = False
+    looked_up: tuple[int, int] | None = None  # (computed, hit) after_alloc may load
 
 
 @dataclass
@@ -160,7 +187,9 @@ class ReferenceScheduler:
 
     def __init__(self, config: OffloadConfig, manager: ReferenceManager | None = None) -> None:
         self.config = config
-        self.manager = manager if manager is not None else ReferenceManager(config.num_cpu_blocks)
+        self.manager = manager if manager is not None else ReferenceManager(
+            config.num_cpu_blocks, config.max_pending_events)
+        self.hash_len: int | None = None  # the length of every hash, once one is seen
         self.requests: dict[str, _Request] = {}
         self.jobs: dict[int, _Job] = {}
         self.queued_loads: list[TransferPlan] = []
@@ -171,6 +200,7 @@ class ReferenceScheduler:
     # -- derived views (recomputed on every use) -------------------------------------------
 
     def _req(self, request_id: str) -> _Request:
+        check_request_id("scheduler", request_id)
         if request_id not in self.requests:
             raise UnknownRequestError(f"request {request_id!r} is not tracked; call "
                                       "add_request first")
@@ -195,8 +225,13 @@ class ReferenceScheduler:
 
     def add_request(self, info: RequestLike) -> None:
         """Start tracking a request."""
+        if not isinstance(info, RequestInfo):
+            raise ArgumentTypeError("add_request", "info", info, "RequestInfo",
+                                    "describe the request with kvcore.RequestInfo")
         if info.request_id in self.requests:
             raise BadStepError(f"request {info.request_id!r} is already tracked")
+        self.hash_len = self._hash_length("add_request", "block_hashes", self.hash_len,
+                                          info.block_hashes)
         n = len(self.config.groups)
         self.requests[info.request_id] = _Request(
             info.prompt_tokens, info.max_offload_tokens, info.skip_reading,
@@ -204,12 +239,19 @@ class ReferenceScheduler:
 
     def add_hashes(self, request_id: str, hashes: Sequence[bytes]) -> None:
         """Append newly completed block hashes."""
-        self._req(request_id).hashes.extend(hashes)
+        check_request_id("add_hashes", request_id)
+        new = check_hashes("add_hashes", "hashes", hashes)
+        req = self._req(request_id)
+        self.hash_len = self._hash_length("add_hashes", "hashes", self.hash_len, new)
+        req.hashes.extend(new)
 
     # -- lookup --------------------------------------------------------------------------
 
     def lookup(self, request_id: str, computed_tokens: int, num_tokens: int) -> LookupResult:
         """The spec's hit over the manager's full hit map; PENDING while jobs are in flight."""
+        check_request_id("lookup", request_id)
+        for name, value in (("computed_tokens", computed_tokens), ("num_tokens", num_tokens)):
+            check_int("lookup", name, value)
         req = self._req(request_id)
         hbt = self.config.hash_block_tokens
         if num_tokens // hbt > len(req.hashes):
@@ -220,10 +262,12 @@ class ReferenceScheduler:
                                f"outside 0..{num_tokens}")
         req.tables = [[] for _ in self.config.groups]
         self._stats.lookups += 1
+        req.looked_up = None
         if self._jobs_of(request_id):
             self._stats.deferrals += 1
             return PENDING
         if req.skip_reading:
+            req.looked_up = (computed_tokens, 0)
             return 0
         keys = self._keys(req)
         hits = [[self.manager.lookup(k) for k in ks] for ks in keys]
@@ -234,6 +278,8 @@ class ReferenceScheduler:
         self._touch(keys, computed_tokens + hit)
         if result is PENDING:
             self._stats.deferrals += 1
+        else:
+            req.looked_up = (computed_tokens, hit)
         self._stats.hit_tokens += hit
         return result
 
@@ -253,16 +299,20 @@ class ReferenceScheduler:
                     valid_blocks: Sequence[int], computed_tokens: int, load_tokens: int
                     ) -> TransferPlan | None:
         """The load of ``load_tokens`` into the engine's block tables, queued for the step."""
-        req = self._req(request_id)
+        req = self._check_alloc(request_id, block_ids, valid_blocks, computed_tokens,
+                                load_tokens)
         if load_tokens == 0:
+            req.looked_up = None
             return None
         if self._jobs_of(request_id):
             raise BadStepError(f"request {request_id!r} has jobs in flight; its lookup "
                                "returned PENDING, so there is nothing to load")
-        n = len(self.config.groups)
-        if len(block_ids) != n or len(valid_blocks) != n:
-            raise BadStepError(f"request {request_id!r}: {len(block_ids)} block tables and "
-                               f"{len(valid_blocks)} valid counts for {n} groups")
+        if req.looked_up != (computed_tokens, load_tokens):
+            raise ArgumentRangeError(
+                "after_alloc", "load_tokens", load_tokens,
+                f"0 or the hit of request {request_id!r}'s latest lookup "
+                f"(computed_tokens, hit) = {req.looked_up}",
+                "pass the number lookup() returned, with the same computed_tokens, once")
         loads = load_plan(self.config, computed_tokens, load_tokens, block_ids, valid_blocks)
         keys = self._keys(req)
         for g, gl in enumerate(loads):
@@ -278,6 +328,7 @@ class ReferenceScheduler:
             groups.append(GroupTransfer(gl.gpu_block_ids, gl.block_index, taken, chosen[g]))
         plan = TransferPlan(self._new_job_id(), JobKind.LOAD, request_id, tuple(groups))
         self.jobs[plan.job_id] = _Job(plan)
+        req.looked_up = None
         if self.config.store_level is StoreLevel.BLOCK:
             boundary = computed_tokens + load_tokens
             for g, spec in enumerate(self.config.groups):
@@ -287,11 +338,63 @@ class ReferenceScheduler:
         self._stats.chunks_loaded += len(plan.keys)
         return plan
 
+    def _check_alloc(self, request_id: str, block_ids: Sequence[Sequence[int]],
+                     valid_blocks: Sequence[int], computed_tokens: int, load_tokens: int
+                     ) -> _Request:
+        """after_alloc's arguments: types, then the request, group count and block ids."""
+        check_request_id("after_alloc", request_id)
+        tables = check_id_tables("after_alloc", "block_ids", block_ids)
+        valid = check_ids("after_alloc", "valid_blocks", valid_blocks)
+        check_int("after_alloc", "computed_tokens", computed_tokens)
+        check_int("after_alloc", "load_tokens", load_tokens)
+        req = self._req(request_id)
+        n = len(self.config.groups)
+        if len(tables) != n or len(valid) != n:
+            raise BadStepError(f"request {request_id!r}: {len(tables)} block tables and "
+                               f"{len(valid)} valid counts for {n} groups")
+        self._check_block_ids("after_alloc", "block_ids", tables)
+        for g in range(n):
+            if valid[g] > len(tables[g]):
+                raise ArgumentRangeError("after_alloc", f"valid_blocks[{g}]", valid[g],
+                                         f"0..{len(tables[g])} (the table's length)",
+                                         "count only blocks present in block_ids")
+        return req
+
+    def _check_block_ids(self, where: str, name: str,
+                         tables: Sequence[Sequence[int]]) -> None:
+        """Each id is a block of the pool; a FULL group's table holds no null (0)."""
+        top = self.config.num_gpu_blocks - 1
+        for g, ids in enumerate(tables):
+            full = self.config.groups[g].kind is GroupKind.FULL
+            for i, gpu_id in enumerate(ids):
+                if gpu_id > top:
+                    raise BlockIdError(where, f"{name}[{g}][{i}]", gpu_id,
+                                       f"0..{top} (num_gpu_blocks={top + 1})",
+                                       "pass ids from the engine's GPU block pool", g)
+                if full and gpu_id == 0:
+                    raise BlockIdError(where, f"{name}[{g}][{i}]", 0,
+                                       f"1..{top}: a FULL group holds no null block",
+                                       "pass the real block id", g)
+
+    @staticmethod
+    def _hash_length(where: str, name: str, known: int | None,
+                     hashes: Sequence[bytes]) -> int | None:
+        """The one hash length: the first hash sets it, every later one must match."""
+        for h in hashes:
+            if known is not None and len(h) != known:
+                raise HashError(where, f"len({name}[0])", len(h), f"{known} bytes",
+                                "pass hashes from the engine's one hash function")
+            known = len(h)
+        return known
+
     # -- the step ------------------------------------------------------------------------
 
     def build_step(self, step: StepLike) -> StepPlan:
         """Apply the step's allocations; return queued loads, new stores and the flush set."""
         self._validate_step(step)
+        for sr in step.requests:
+            self.hash_len = self._hash_length("build_step", "new_hashes", self.hash_len,
+                                              sr.new_hashes)
         allocated = set(step.allocated_ids)
         for req in self.requests.values():
             for table in req.tables:
@@ -320,13 +423,19 @@ class ReferenceScheduler:
     def _validate_step(self, step: StepLike) -> None:
         """Every way a step can contradict the config or a request, checked before any change."""
         n = len(self.config.groups)
+        self._check_step_shape(step)
         for request_id in step.preempted:
             self._req(request_id)
+        hash_len = self.hash_len
         for sr in step.requests:
             req = self._req(sr.request_id)
             if sr.new_block_ids and len(sr.new_block_ids) != n:
                 raise BadStepError(f"request {sr.request_id!r}: {len(sr.new_block_ids)} "
                                    f"block lists for {n} groups")
+            self._check_block_ids("build_step", f"{sr.request_id}.new_block_ids",
+                                  sr.new_block_ids)
+            hash_len = self._hash_length("build_step", f"{sr.request_id}.new_hashes",
+                                         hash_len, sr.new_hashes)
             hashes = len(req.hashes) + len(sr.new_hashes)
             if sr.num_tokens // self.config.hash_block_tokens > hashes:
                 raise BadStepError(f"request {sr.request_id!r}: {sr.num_tokens} tokens "
@@ -344,6 +453,23 @@ class ReferenceScheduler:
                     raise BadStepError(f"request {sr.request_id!r}: group {g} has {have} "
                                        f"blocks but storing up to token {frontier} needs "
                                        f"{end * spec.blocks_per_chunk}")
+
+    def _check_step_shape(self, step: StepLike) -> None:
+        """A StepInput naming each request at most once, allocating only real blocks."""
+        if not isinstance(step, StepInput):
+            raise ArgumentTypeError("build_step", "step", step, "StepInput",
+                                    "describe the step with kvcore.StepInput")
+        for field_name, ids in (("requests", [sr.request_id for sr in step.requests]),
+                                ("preempted", list(step.preempted))):
+            for i, rid in enumerate(ids):
+                if rid in ids[:i]:
+                    raise DuplicateRequestError("build_step", field_name, rid)
+        top = self.config.num_gpu_blocks - 1
+        bad = sorted(i for i in step.allocated_ids if not 1 <= i <= top)
+        if bad:
+            raise BlockIdError("build_step", "allocated_ids", bad[0] if bad[0] < 1 else bad[-1],
+                               f"1..{top} (num_gpu_blocks={top + 1}; 0 is the null block)",
+                               "list only ids the engine handed out from its GPU pool")
 
     def _load_in_flight(self, request_id: str) -> bool:
         return any(job.plan.kind is JobKind.LOAD for job in self._jobs_of(request_id))
@@ -394,7 +520,15 @@ class ReferenceScheduler:
 
     def worker_output(self, reports: Iterable[ReportLike]) -> OutputResult:
         """Count reports; settle each job when all ``num_workers`` have reported it."""
-        fresh = self._validate_reports(list(reports))
+        if isinstance(reports, str | bytes) or not isinstance(reports, Iterable):
+            raise ArgumentTypeError("worker_output", "reports", reports,
+                                    "an iterable of WorkerReport", "pass a list of reports")
+        batch = list(reports)
+        for i, r in enumerate(batch):
+            if not isinstance(r, WorkerReport):
+                raise ArgumentTypeError("worker_output", f"reports[{i}]", r, "WorkerReport",
+                                        "build each report with kvcore.WorkerReport")
+        fresh = self._validate_reports(batch)
         completed: list[int] = []
         finished: list[str] = []
         failed_loads: list[LoadFailure] = []
@@ -455,6 +589,7 @@ class ReferenceScheduler:
 
     def request_finished(self, request_id: str) -> None:
         """The engine frees the request's blocks now; its stores' other sources get fenced."""
+        check_request_id("request_finished", request_id)
         req = self._req(request_id)
         req.finished = True
         jobs = self._jobs_of(request_id)
@@ -481,7 +616,8 @@ class ReferenceScheduler:
                 for e in self.manager.take_events() for key in e.keys]
 
     def stats(self) -> SchedulerStats:
-        return replace(self._stats, extra=dict(self._stats.extra))
+        return replace(self._stats, extra=dict(self._stats.extra),
+                       events_dropped=self.manager.stats().events_dropped)
 
     # -- inspection ----------------------------------------------------------------------
 

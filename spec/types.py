@@ -175,10 +175,12 @@ class OffloadConfig:
     draft_kv_elsewhere: bool = False
     store_alignment: bool = True
     name: str = field(default="", compare=False)
+    max_pending_events: int = 65_536
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", _as_groups(self.groups))
         validate_config(self)
+        check_pending_events(self.max_pending_events)
 
     # -- derived quantities (pure, recomputed; cheap) --------------------------------
 
@@ -262,6 +264,24 @@ class OffloadConfig:
         if len(kept) >= a:
             return None
         return a, kept
+
+
+# The manager's event buffer holds at most ``max_pending_events`` keys' events (one
+# ``KeyEvent`` each, about 100 bytes); when full the oldest are dropped and counted. The
+# default, 65536, is several seconds of a busy tier (10k chunks/s) for an engine that
+# drains every step, about 6 MiB; 2**24 (1.6 GiB) is the most any set-up needs. 0 means
+# "no events": the engine never calls take_events.
+DEFAULT_MAX_PENDING_EVENTS = 65_536
+MAX_PENDING_EVENTS = 1 << 24
+
+
+def check_pending_events(value: object) -> None:
+    """Raise ConfigError unless ``value`` is an int in ``0..MAX_PENDING_EVENTS``."""
+    if type(value) is not int or not 0 <= value <= MAX_PENDING_EVENTS:
+        raise ConfigError("max_pending_events", f"max_pending_events={value!r} must be an "
+                          f"int in 0..{MAX_PENDING_EVENTS} (keys' events kept until "
+                          "take_events; 0 keeps none); the default 65536 suits an engine "
+                          "that calls take_events every step")
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ from kvcore.manager._base import OffloadManager
 from kvcore.manager._cpu import POLICIES, CPUOffloadManager
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
-from kvcore.spec.errors import InvalidKeyError, KeyNotReadyError, NotPinnedError
+from kvcore.spec.errors import BadKeyError, InvalidKeyError, KeyNotReadyError, NotPinnedError
 from kvcore.spec.manager_model import ManagerEvent, ManagerStats, PrepareStoreResult
 
 __all__ = [
     "POLICIES",
     "ARCPolicy",
+    "BadKeyError",
     "CPUOffloadManager",
     "EvictionPolicy",
     "InvalidKeyError",

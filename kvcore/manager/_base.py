@@ -37,7 +37,12 @@ class OffloadManager(ABC):
 
     Each stored key is WRITING, READY, or READY and pinned by ``n`` loads. Operating
     errors (a load of a key that is not READY, an unbalanced ``complete_load``) raise a
-    ``KeyError``/``ValueError`` subclass naming the key and leave the state unchanged.
+    ``KeyError``/``ValueError`` subclass naming the key and leave the state unchanged;
+    so do bad arguments (a key that is not ``bytes`` of a key's length: ``BadKeyError``;
+    keys not in a list or tuple, or a ``success`` that is not a ``bool``:
+    ``ArgumentTypeError``). Pending events are bounded (the CPU tier keeps at most
+    ``max_pending_events`` keys' events and counts the ones it drops in
+    ``stats().events_dropped``).
     Not thread-safe: the scheduler calls a tier from one thread.
     """
 

@@ -14,7 +14,7 @@ eviction is applied; off, no record is built.
 from __future__ import annotations
 
 import os
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from kvcore.manager._arc import ARCPolicy
@@ -24,13 +24,16 @@ from kvcore.manager._policy import EvictionPolicy
 from kvcore.spec.errors import ConfigError, InvariantViolation, KeyNotReadyError, NotPinnedError
 from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
 from kvcore.spec.manager_model import (
+    MAX_KEY_BYTES,
     ManagerEvent,
     ManagerStats,
     PrepareStoreResult,
     check_capacity,
-    check_key_types,
+    check_key,
+    check_keys,
+    check_success,
 )
-from kvcore.spec.types import Key, Status
+from kvcore.spec.types import DEFAULT_MAX_PENDING_EVENTS, Key, Status, check_pending_events
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 _EMPTY = PrepareStoreResult((), (), ())
@@ -59,11 +62,15 @@ class CPUOffloadManager(OffloadManager):
 
     Slots are handed out fresh first, in increasing order, then from a LIFO list of
     recycled ones, so slot ids are deterministic (tests pin them, e.g. ``[2, 3, 0]``).
+    Pending events hold at most ``max_pending_events`` keys (pass the config's
+    ``max_pending_events``); the oldest are dropped beyond that and counted in
+    ``stats().events_dropped``.
     """
 
-    def __init__(self, capacity: int, policy: str = "lru", *, check: bool | None = None
-                 ) -> None:
+    def __init__(self, capacity: int, policy: str = "lru", *, check: bool | None = None,
+                 max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS) -> None:
         check_capacity(capacity)
+        check_pending_events(max_pending_events)
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ConfigError("policy", f"policy={policy!r} is not an eviction policy; "
                               f"choose one of {sorted(POLICIES)}")
@@ -75,7 +82,10 @@ class CPUOffloadManager(OffloadManager):
         self._free_slots: list[int] = []
         self._writing = 0
         self._pinned = 0  # keys with at least one pin, not pins
-        self._events: list[ManagerEvent] = []
+        self._events: deque[ManagerEvent] = deque()
+        self._event_keys = 0  # keys in ``_events``
+        self._max_events = max_pending_events
+        self._events_dropped = 0
         self._evictions = 0
         self._stores_skipped_no_room = 0
         self._stored_keys = 0
@@ -95,6 +105,8 @@ class CPUOffloadManager(OffloadManager):
     # -- reads ----------------------------------------------------------------------
 
     def lookup(self, key: Key) -> Status:
+        if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+            check_key("lookup", key)
         entry = self._entries.get(key)
         if entry is None:
             return Status.MISS
@@ -102,6 +114,7 @@ class CPUOffloadManager(OffloadManager):
 
     def state_of(self, key: Key) -> str | None:
         """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
+        check_key("state_of", key)
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -110,6 +123,7 @@ class CPUOffloadManager(OffloadManager):
         return "pinned" if entry.pins else "ready"
 
     def slot_of(self, key: Key) -> int | None:
+        check_key("slot_of", key)
         entry = self._entries.get(key)
         return None if entry is None else entry.slot
 
@@ -124,16 +138,19 @@ class CPUOffloadManager(OffloadManager):
             evictions=self._evictions,
             stores_skipped_no_room=self._stores_skipped_no_room,
             stored_keys=self._stored_keys,
+            events_dropped=self._events_dropped,
         )
 
     # -- recency and loads ----------------------------------------------------------
 
     def touch(self, keys: Sequence[Key]) -> None:
+        check_keys("touch", keys)
         self._policy.touch(keys)
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         """Pin each key once per occurrence; all keys are validated before any is pinned,
         so a rejected call (KeyNotReadyError) leaves every pin count as it was."""
+        check_keys("prepare_load", keys)
         entries = self._entries
         for key in keys:  # validate every key before pinning any
             entry = entries.get(key)
@@ -151,6 +168,7 @@ class CPUOffloadManager(OffloadManager):
     def complete_load(self, keys: Sequence[Key]) -> None:
         """Release one pin per occurrence; counted per key first, so a call releasing more
         pins than a key holds raises NotPinnedError before any pin moves."""
+        check_keys("complete_load", keys)
         entries = self._entries
         for key, releases in Counter(keys).items():  # validate before releasing any
             entry = entries.get(key)
@@ -172,7 +190,7 @@ class CPUOffloadManager(OffloadManager):
         evictable than needed; otherwise the walk costs the victims plus the pinned and
         same-call keys it passes.
         """
-        check_key_types(keys)
+        check_keys("prepare_store", keys)
         entries = self._entries
         to_store = [k for k in dict.fromkeys(keys) if k not in entries]
         if not to_store:
@@ -194,6 +212,8 @@ class CPUOffloadManager(OffloadManager):
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
         """WRITING keys become READY (one stored event) or are dropped (no event)."""
+        check_keys("complete_store", keys)
+        check_success("complete_store", success)
         entries, policy = self._entries, self._policy
         done: list[Key] = []
         for key in keys:
@@ -210,11 +230,11 @@ class CPUOffloadManager(OffloadManager):
                 policy.discard(key)
         self._writing -= len(done)
         if success and done:
-            self._events.append(ManagerEvent(tuple(done), removed=False))
+            self._emit(ManagerEvent(tuple(done), removed=False))
             self._stored_keys += len(done)
 
     def take_events(self) -> list[ManagerEvent]:
-        events, self._events = self._events, []
+        events, self._events, self._event_keys = list(self._events), deque(), 0
         return events
 
     def reset(self) -> None:
@@ -223,7 +243,7 @@ class CPUOffloadManager(OffloadManager):
         self._next_fresh_slot = 0
         self._free_slots = []
         self._writing = self._pinned = 0
-        self._events = []
+        self._events, self._event_keys = deque(), 0
         self._policy.clear()
 
     # -- helpers --------------------------------------------------------------------
@@ -241,8 +261,26 @@ class CPUOffloadManager(OffloadManager):
         for key in victims:
             self._free_slots.append(self._entries.pop(key).slot)
         self._policy.evict(victims)
-        self._events.append(ManagerEvent(tuple(victims), removed=True))
+        self._emit(ManagerEvent(tuple(victims), removed=True))
         self._evictions += len(victims)
+
+    def _emit(self, event: ManagerEvent) -> None:
+        """Buffer an event; past ``max_pending_events`` keys the oldest keys go first."""
+        events = self._events
+        events.append(event)
+        self._event_keys += len(event.keys)
+        excess = self._event_keys - self._max_events
+        while excess > 0:
+            first = events[0]
+            if len(first.keys) <= excess:
+                events.popleft()
+                dropped = len(first.keys)
+            else:
+                events[0] = ManagerEvent(first.keys[excess:], first.removed)
+                dropped = excess
+            self._events_dropped += dropped
+            self._event_keys -= dropped
+            excess -= dropped
 
     def _allocate(self, key: Key) -> int:
         if self._next_fresh_slot < self._capacity:

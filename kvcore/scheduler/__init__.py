@@ -2,8 +2,13 @@
 
 from kvcore.scheduler.scheduler import OffloadScheduler
 from kvcore.spec.errors import (
+    ArgumentRangeError,
+    ArgumentTypeError,
     BadReportError,
     BadStepError,
+    BlockIdError,
+    DuplicateRequestError,
+    HashError,
     UnknownJobError,
     UnknownRequestError,
 )
@@ -20,8 +25,13 @@ from kvcore.spec.hooks import (
 )
 
 __all__ = [
+    "ArgumentRangeError",
+    "ArgumentTypeError",
     "BadReportError",
     "BadStepError",
+    "BlockIdError",
+    "DuplicateRequestError",
+    "HashError",
     "KeyEvent",
     "LoadFailure",
     "OffloadScheduler",

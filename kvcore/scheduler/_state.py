@@ -26,6 +26,12 @@ class RequestState:
     cursors: list[int]
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
+    # (computed_tokens, hit) of the latest lookup that answered a number: the only load
+    # after_alloc accepts. None after PENDING or once after_alloc consumed it.
+    looked_up: tuple[int, int] | None = None
+    # GPU ids this request has entries for in the scheduler's window index, so finishing
+    # or rebuilding its tables removes exactly those entries.
+    window_ids: set[int] = field(default_factory=set)
 
     def extend_keys(self, cfg: OffloadConfig) -> None:
         """Append keys for chunks completed by new hashes (only the new ones are built)."""

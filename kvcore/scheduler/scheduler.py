@@ -14,13 +14,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvcore.scheduler import _store
+from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
 from kvcore.scheduler._rules import load_plan, served_chunks
 from kvcore.scheduler._state import Job, JobTable, RequestState
-from kvcore.spec.errors import BadReportError, BadStepError, UnknownJobError, UnknownRequestError
+from kvcore.spec.errors import (
+    ArgumentRangeError,
+    ArgumentTypeError,
+    BadReportError,
+    BadStepError,
+    UnknownJobError,
+    UnknownRequestError,
+)
 from kvcore.spec.hooks import (
+    MAX_REPORT_INT,
     KeyEvent,
     LoadFailure,
     OutputResult,
@@ -30,6 +38,11 @@ from kvcore.spec.hooks import (
     StepInput,
     StepPlan,
     WorkerReport,
+    check_hashes,
+    check_id_tables,
+    check_ids,
+    check_int,
+    check_request_id,
 )
 from kvcore.spec.invariants import (
     CompletionRecord,
@@ -68,6 +81,9 @@ class OffloadScheduler:
 
     def __init__(self, config: OffloadConfig, manager: Any, *,
                  check: bool | None = None) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise ArgumentTypeError("OffloadScheduler", "config", config, "OffloadConfig",
+                                    "build the configuration with kvcore.OffloadConfig")
         self.config = config
         self.manager = manager
         self.check = checks_enabled(check)
@@ -75,6 +91,7 @@ class OffloadScheduler:
         self._jobs = JobTable()
         self._queued_loads: list[TransferPlan] = []
         self._window_index: dict[int, list[tuple[RequestState, int, int]]] = {}
+        self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
         self.checked: dict[str, int] = {}
@@ -86,8 +103,14 @@ class OffloadScheduler:
 
     def add_request(self, info: RequestInfo) -> None:
         """Start tracking a request (the engine's "request arrived")."""
+        if not isinstance(info, RequestInfo):
+            raise ArgumentTypeError("add_request", "info", info, "RequestInfo",
+                                    "describe the request with kvcore.RequestInfo")
         if info.request_id in self._reqs:
             raise BadStepError(f"request {info.request_id!r} is already tracked")
+        hash_len = _validate.hash_length("add_request", "block_hashes", self._hash_len,
+                                         info.block_hashes)
+        self._hash_len = hash_len
         n = len(self.config.groups)
         req = RequestState(info.request_id, info.prompt_tokens, info.max_offload_tokens,
                            info.skip_reading, list(info.block_hashes),
@@ -98,6 +121,8 @@ class OffloadScheduler:
             self._check_keys(req)
 
     def _req(self, request_id: str) -> RequestState:
+        if type(request_id) is not str:
+            check_request_id("scheduler", request_id)
         try:
             return self._reqs[request_id]
         except KeyError:
@@ -106,8 +131,11 @@ class OffloadScheduler:
 
     def add_hashes(self, request_id: str, hashes: Sequence[bytes]) -> None:
         """Append newly completed block hashes (tokens were generated)."""
+        check_request_id("add_hashes", request_id)
+        new = check_hashes("add_hashes", "hashes", hashes)
         req = self._req(request_id)
-        req.hashes.extend(hashes)
+        self._hash_len = _validate.hash_length("add_hashes", "hashes", self._hash_len, new)
+        req.hashes.extend(new)
         req.extend_keys(self.config)
 
     # -- lookup -------------------------------------------------------------------------
@@ -118,6 +146,9 @@ class OffloadScheduler:
         PENDING while the request has jobs in flight (J1), while an unknown key could
         change the answer, or while another request is loading a chunk it would read.
         """
+        check_request_id("lookup", request_id)
+        check_int("lookup", "computed_tokens", computed_tokens)
+        check_int("lookup", "num_tokens", num_tokens)
         req = self._req(request_id)
         if num_tokens // self.config.hash_block_tokens > len(req.hashes):
             raise BadStepError(f"request {request_id!r}: {num_tokens} tokens claimed but "
@@ -126,14 +157,19 @@ class OffloadScheduler:
         if not 0 <= computed_tokens <= num_tokens:
             raise BadStepError(f"request {request_id!r}: computed_tokens={computed_tokens} "
                                f"outside 0..{num_tokens}")
+        self._unindex(req)
         req.tables = [[] for _ in self.config.groups]
+        req.looked_up = None
         self._stats.lookups += 1
         if req.jobs:
             self._stats.deferrals += 1
             return PENDING
         if req.skip_reading:
+            req.looked_up = (computed_tokens, 0)
             return 0
         result, conv, _ = self._lookup_hit(req, computed_tokens, num_tokens)
+        if isinstance(result, int):
+            req.looked_up = (computed_tokens, result)
         self._touch(req, computed_tokens + (result if isinstance(result, int) else 0))
         if self.check:
             self._check_lookup(req, computed_tokens, num_tokens, result, conv)
@@ -195,19 +231,24 @@ class OffloadScheduler:
         """Queue the load of ``load_tokens`` (the lookup's hit) into the allocated blocks.
 
         ``block_ids`` is each group's whole block table (0 = null), ``valid_blocks`` how
-        many leading blocks of each already hold valid KV on the GPU.
+        many leading blocks of each already hold valid KV on the GPU. ``load_tokens`` is 0
+        or what the request's latest lookup answered, with the same ``computed_tokens``.
         """
-        req = self._req(request_id)
-        n = len(self.config.groups)
-        if len(block_ids) != n or len(valid_blocks) != n:
-            raise BadStepError(f"request {request_id!r}: {len(block_ids)} block tables and "
-                               f"{len(valid_blocks)} valid counts for {n} groups")
+        req, tables = self._validate_alloc(request_id, block_ids, valid_blocks,
+                                           computed_tokens, load_tokens)
         if load_tokens == 0:
+            req.looked_up = None
             return None
         if req.jobs:
             raise BadStepError(f"request {request_id!r} has jobs in flight; its lookup "
                                "returned PENDING, so there is nothing to load")
-        loads = load_plan(self.config, computed_tokens, load_tokens, block_ids, valid_blocks)
+        if req.looked_up != (computed_tokens, load_tokens):
+            raise ArgumentRangeError(
+                "after_alloc", "load_tokens", load_tokens,
+                f"0 or the hit of request {request_id!r}'s latest lookup "
+                f"(computed_tokens, hit) = {req.looked_up}",
+                "pass the number lookup() returned, with the same computed_tokens, once")
+        loads = load_plan(self.config, computed_tokens, load_tokens, tables, valid_blocks)
         keys = [req.keys[g][gl.first_chunk:gl.end_chunk] for g, gl in enumerate(loads)]
         flat = [k for ks in keys for k in ks]
         slots = iter(self.manager.prepare_load(flat))
@@ -217,6 +258,7 @@ class OffloadScheduler:
         plan = TransferPlan(self._jobs.new_id(), JobKind.LOAD, request_id, groups)
         self._jobs.add(Job(plan))
         req.jobs.add(plan.job_id)
+        req.looked_up = None
         boundary = computed_tokens + load_tokens
         moves: list[object] = []
         if self.config.store_level is StoreLevel.BLOCK:
@@ -236,6 +278,29 @@ class OffloadScheduler:
                            PlanRecord(self.config, plan), *moves])
         return plan
 
+    def _validate_alloc(self, request_id: str, block_ids: object, valid_blocks: object,
+                        computed_tokens: object, load_tokens: object
+                        ) -> tuple[RequestState, tuple[tuple[int, ...], ...]]:
+        """Every argument of ``after_alloc`` checked, types first; changes nothing."""
+        where = "after_alloc"
+        check_request_id(where, request_id)
+        tables = check_id_tables(where, "block_ids", block_ids)
+        valid = check_ids(where, "valid_blocks", valid_blocks)
+        check_int(where, "computed_tokens", computed_tokens)
+        check_int(where, "load_tokens", load_tokens)
+        req = self._req(request_id)
+        n = len(self.config.groups)
+        if len(tables) != n or len(valid) != n:
+            raise BadStepError(f"request {request_id!r}: {len(tables)} block tables and "
+                               f"{len(valid)} valid counts for {n} groups")
+        _validate.check_tables(self.config, where, "block_ids", tables)
+        for group, count in enumerate(valid):
+            if count > len(tables[group]):
+                raise ArgumentRangeError(where, f"valid_blocks[{group}]", count,
+                                         f"0..{len(tables[group])} (the table's length)",
+                                         "count only blocks present in block_ids")
+        return req, tables
+
     # -- the step -----------------------------------------------------------------------
 
     def build_step(self, step: StepInput) -> StepPlan:
@@ -244,12 +309,13 @@ class OffloadScheduler:
         The whole step is validated before anything changes, so a rejected step leaves
         the scheduler as it was.
         """
-        self._validate_step(step)
+        self._hash_len = self._validate_step(step)
         self._zero_stale_window_blocks(step.allocated_ids)
         flush: set[int] = self._jobs.jobs_reading(step.allocated_ids)
         for request_id in step.preempted:
             req = self._req(request_id)
             flush |= req.jobs
+            self._unindex(req)
             req.tables = [[] for _ in self.config.groups]
         if self.check:
             self._enforce([FenceRecord(step.allocated_ids, self._jobs.fenced_sources(),
@@ -266,29 +332,38 @@ class OffloadScheduler:
         loads, self._queued_loads = tuple(self._queued_loads), []
         return StepPlan(loads, tuple(stores), tuple(sorted(flush)))
 
-    def _validate_step(self, step: StepInput) -> None:
+    def _validate_step(self, step: StepInput) -> int | None:
+        """The whole step checked; returns the hash length once its new hashes count."""
+        if not isinstance(step, StepInput):
+            raise ArgumentTypeError("build_step", "step", step, "StepInput",
+                                    "describe the step with kvcore.StepInput")
+        _validate.check_unique(step)
+        _validate.check_allocated(self.config, step.allocated_ids)
         for request_id in step.preempted:
             self._req(request_id)
+        hash_len = self._hash_len
         for sr in step.requests:
-            self._validate_scheduled(self._req(sr.request_id), sr,
-                                     sr.request_id in step.preempted)
+            hash_len = self._validate_scheduled(self._req(sr.request_id), sr,
+                                                sr.request_id in step.preempted, hash_len)
+        return hash_len
 
     def _validate_scheduled(self, req: RequestState, sr: ScheduledRequest,
-                            preempted: bool) -> None:
+                            preempted: bool, hash_len: int | None) -> int | None:
         """Reject a scheduled request whose numbers cannot be right (no state changes)."""
         cfg, rid = self.config, sr.request_id
         if sr.new_block_ids and len(sr.new_block_ids) != len(cfg.groups):
             raise BadStepError(f"request {rid!r}: {len(sr.new_block_ids)} block lists for "
                                f"{len(cfg.groups)} groups")
-        if min(sr.scheduled_tokens, sr.computed_tokens, sr.num_tokens) < 0:
-            raise BadStepError(f"request {rid!r}: negative token counts in {sr}")
+        _validate.check_tables(cfg, "build_step", "new_block_ids", sr.new_block_ids, rid)
+        hash_len = _validate.hash_length("build_step", "new_hashes", hash_len,
+                                         sr.new_hashes, rid)
         hashes = len(req.hashes) + len(sr.new_hashes)
         if sr.num_tokens // cfg.hash_block_tokens > hashes:
             raise BadStepError(f"request {rid!r}: num_tokens={sr.num_tokens} but only "
                                f"{hashes} hashes of {cfg.hash_block_tokens} tokens were given; "
                                "pass new hashes in new_hashes or add_hashes")
         if preempted:
-            return
+            return hash_len
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
         for group, g in enumerate(cfg.groups):
             have = 0 if sr.resumed else len(req.tables[group])
@@ -297,12 +372,14 @@ class OffloadScheduler:
                 raise BadStepError(f"request {rid!r}: group {group} has {have} blocks, but "
                                    f"{cdiv(frontier, g.tokens_per_block)} hold its "
                                    f"{frontier} computed tokens; pass every allocated block")
+        return hash_len
 
     def _apply_blocks(self, req: RequestState, sr: ScheduledRequest) -> None:
         if sr.new_hashes:
             req.hashes.extend(sr.new_hashes)
             req.extend_keys(self.config)
         if sr.resumed:
+            self._unindex(req)
             req.tables = [[] for _ in self.config.groups]
         for group, ids in enumerate(sr.new_block_ids):
             table = req.tables[group]
@@ -311,7 +388,27 @@ class OffloadScheduler:
                     if gpu_id:
                         self._window_index.setdefault(gpu_id, []).append(
                             (req, group, len(table) + offset))
+                        req.window_ids.add(gpu_id)
             table.extend(ids)
+
+    def _unindex(self, req: RequestState) -> None:
+        """Remove ``req``'s window-index entries (its tables are rebuilt, or it is gone),
+        so the index holds only live tables: O(the request's window blocks)."""
+        index = self._window_index
+        for gpu_id in req.window_ids:
+            entries = index.get(gpu_id)
+            if entries is None:
+                continue
+            kept = [e for e in entries if e[0] is not req]
+            if kept:
+                index[gpu_id] = kept
+            else:
+                del index[gpu_id]
+        req.window_ids.clear()
+
+    def _drop(self, request_id: str) -> None:
+        """Stop tracking a request; nothing of it stays reachable."""
+        self._unindex(self._reqs.pop(request_id))
 
     def _zero_stale_window_blocks(self, allocated: frozenset[int]) -> None:
         """A window or Mamba block the engine freed and handed out again must not be stored
@@ -321,6 +418,7 @@ class OffloadScheduler:
         for gpu_id in allocated:
             entries = self._window_index.pop(gpu_id, None)
             for req, group, pos in entries or ():
+                req.window_ids.discard(gpu_id)
                 table = req.tables[group]
                 if pos < len(table) and table[pos] == gpu_id:
                     table[pos] = 0
@@ -373,7 +471,7 @@ class OffloadScheduler:
         a worker outside ``0..num_workers-1`` or for an unknown job raises and leaves the
         state as it was. Reports for jobs discarded by ``reset`` are ignored.
         """
-        fresh = self._validate_reports(list(reports))
+        fresh = self._validate_reports(_report_list(reports))
         completed: list[int] = []
         finished_loads: list[str] = []
         failed_loads: list[LoadFailure] = []
@@ -433,7 +531,7 @@ class OffloadScheduler:
         if req is not None:
             req.jobs.discard(plan.job_id)
             if req.finished and not req.jobs:
-                del self._reqs[plan.request_id]
+                self._drop(plan.request_id)
         if self.check:
             self._check_completion(job, keys, failed_loads)
 
@@ -445,10 +543,11 @@ class OffloadScheduler:
         Stores still reading its full-attention blocks get those blocks fenced, so a later
         allocation of any of them flushes the store first (F1). Nothing more is stored.
         """
+        check_request_id("request_finished", request_id)
         req = self._req(request_id)
         req.finished = True
         if not req.jobs:
-            del self._reqs[request_id]
+            self._drop(request_id)
             return
         for job_id in req.jobs:
             job = self._jobs.jobs[job_id]
@@ -468,7 +567,7 @@ class OffloadScheduler:
         self._jobs.clear()
         self.manager.reset()
         for request_id in [r for r, req in self._reqs.items() if req.finished]:
-            del self._reqs[request_id]
+            self._drop(request_id)
         for req in self._reqs.values():
             req.jobs.clear()
             req.cursors = [0] * len(self.config.groups)
@@ -480,14 +579,17 @@ class OffloadScheduler:
                 for e in self.manager.take_events() for key in e.keys]
 
     def stats(self) -> SchedulerStats:
-        """A snapshot of the counters (a copy: later steps do not change it)."""
-        return replace(self._stats, extra=dict(self._stats.extra))
+        """A snapshot of the counters (a copy: later steps do not change it), with the
+        manager's count of events it dropped because nobody called ``take_events``."""
+        dropped = getattr(self.manager.stats(), "events_dropped", 0)
+        return replace(self._stats, extra=dict(self._stats.extra), events_dropped=dropped)
 
     def has_pending_work(self) -> bool:
         """True while jobs are in flight: the engine keeps stepping until they settle."""
         return bool(self._jobs.jobs)
 
     def job_in_flight(self, job_id: int) -> bool:
+        check_int("job_in_flight", "job_id", job_id, 0, MAX_REPORT_INT)
         return job_id in self._jobs.jobs
 
     def jobs_of(self, request_id: str) -> frozenset[int]:
@@ -533,3 +635,16 @@ class OffloadScheduler:
             records.append(FailureRecord({}, frozenset({job.plan.job_id}),
                                          frozenset(f.job_id for f in failed_loads)))
         self._enforce(records)
+
+
+def _report_list(reports: object) -> list[WorkerReport]:
+    """The batch as a list of ``WorkerReport`` (each validated when it was built)."""
+    if isinstance(reports, str | bytes) or not isinstance(reports, Iterable):
+        raise ArgumentTypeError("worker_output", "reports", reports,
+                                "an iterable of WorkerReport", "pass a list of reports")
+    batch = list(reports)
+    for i, r in enumerate(batch):
+        if not isinstance(r, WorkerReport):
+            raise ArgumentTypeError("worker_output", f"reports[{i}]", r, "WorkerReport",
+                                    "build each report with kvcore.WorkerReport")
+    return batch

@@ -89,14 +89,19 @@ class ManagerRefinement(RuleBasedStateMachine):
         self.impl = CPUOffloadManager(1)
         self.model = ReferenceManager(1)
         self.policy = "lru"
+        self.dropped = 0
         self.announced: set[Key] = set()  # keys the events say are loadable
         self.gone: list[Key] = []  # evicted keys, most recent last (ARC's ghosts)
 
-    @initialize(capacity=st.integers(1, 4), policy=st.sampled_from(["lru", "arc"]))
-    def setup(self, capacity: int, policy: str) -> None:
-        self.impl = CPUOffloadManager(capacity, policy, check=True)
-        self.model = ReferenceManager(capacity)
+    @initialize(capacity=st.integers(1, 4), policy=st.sampled_from(["lru", "arc"]),
+                max_events=st.sampled_from([65_536, 65_536, 0, 1, 3]))
+    def setup(self, capacity: int, policy: str, max_events: int) -> None:
+        """``max_events``: the event buffer's cap in keys; small caps drop events often."""
+        self.impl = CPUOffloadManager(capacity, policy, check=True,
+                                      max_pending_events=max_events)
+        self.model = ReferenceManager(capacity, max_events)
         self.policy = policy
+        self.dropped = 0
 
     def keys_in(self, *states: str) -> list[Key]:
         return [key for key in KEYS if self.model.state_of(key) in states]
@@ -189,6 +194,12 @@ class ManagerRefinement(RuleBasedStateMachine):
         """Events match, and replayed in order they describe exactly the READY keys."""
         events = self.impl.take_events()
         assert events == self.model.take_events()
+        assert sum(len(e.keys) for e in events) <= self.model.max_pending_events
+        dropped, self.dropped = self.dropped, self.impl.stats().events_dropped
+        if dropped != self.dropped:  # the oldest events were dropped: no replay
+            event("events dropped")
+            self.announced = set(self.keys_in("ready", "pinned"))
+            return
         for e in events:
             for key in e.keys:
                 assert (key in self.announced) == e.removed, (key, e)

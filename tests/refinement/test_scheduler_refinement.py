@@ -111,7 +111,9 @@ def configs(draw: st.DrawFn) -> OffloadConfig:
         speculative=speculative,
         draft_kv_elsewhere=speculative and not any(g.is_draft for g in groups),
         store_alignment=draw(st.booleans()),
-        name=name or "random")
+        name=name or "random",
+        # Mostly the default; sometimes so small that events are dropped between drains.
+        max_pending_events=draw(st.sampled_from([65_536, 65_536, 65_536, 3])))
 
 
 MAX_PROMPT, MAX_NEW, MAX_REQUESTS = 40, 12, 6
@@ -150,8 +152,9 @@ class SchedulerMachine(RuleBasedStateMachine):
               warm_up: list[tuple[int, int]]) -> None:
         """Build both schedulers; ``warm_up`` requests (base prompt, length) then run to the
         end, so the CPU tier holds prefixes that later requests can hit."""
-        impl = OffloadScheduler(config, CPUOffloadManager(config.num_cpu_blocks, check=True),
-                                check=True)
+        manager = CPUOffloadManager(config.num_cpu_blocks, check=True,
+                                    max_pending_events=config.max_pending_events)
+        impl = OffloadScheduler(config, manager, check=True)
         self.pair = Lockstep(impl, ReferenceScheduler(config))
         self.engine = Engine(config, self.pair, prefill_chunk=chunk, spec_tokens=spec_tokens)
         for base, length in warm_up:

@@ -1,0 +1,84 @@
+"""The scheduler's stateful argument checks: what depends on the config or on the state.
+
+Type-level checks (ints are ints, hashes are bytes of one length, counts are not
+negative) happen where the values are built, in the hook dataclasses of
+``kvcore.spec.hooks``; what is left needs the config (block ids below ``num_gpu_blocks``,
+no null block in a FULL group) or what the scheduler holds (the hash length it has seen,
+one entry per request per step). Every check runs before the hook changes anything, and
+costs one pass over the ids it is given (``max``/``in`` run in C), so a step of a few ids
+per request pays almost nothing.
+
+The reference model (``kvcore.spec.model``) writes the same rules its own way; the
+refinement tests and ``tests/unit/test_bad_calls.py`` hold the two to the same errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcore.spec.errors import BlockIdError, DuplicateRequestError, HashError
+from kvcore.spec.hooks import StepInput
+from kvcore.spec.types import GroupKind, OffloadConfig
+
+
+def check_tables(cfg: OffloadConfig, where: str, name: str,
+                 tables: Sequence[Sequence[int]], owner: str = "") -> None:
+    """Every id below ``num_gpu_blocks``; 0 (the null block) only in SLIDING/MAMBA groups.
+
+    A FULL group's blocks all hold KV the engine computed or loads, so a null there is an
+    engine bug that would be stored or loaded as if it were data. ``owner`` (a request id)
+    prefixes the argument's name in errors; names are built only when one is raised.
+    """
+    if owner:
+        name = f"{owner}.{name}" if tables else name
+    limit = cfg.num_gpu_blocks
+    for group, ids in enumerate(tables):
+        if not ids:
+            continue
+        if max(ids) >= limit:
+            bad = next(i for i, x in enumerate(ids) if x >= limit)
+            raise BlockIdError(where, f"{name}[{group}][{bad}]", ids[bad],
+                               f"0..{limit - 1} (num_gpu_blocks={limit})",
+                               "pass ids from the engine's GPU block pool, or raise "
+                               "num_gpu_blocks to the pool's size", group)
+        if cfg.groups[group].kind is GroupKind.FULL and 0 in ids:
+            raise BlockIdError(where, f"{name}[{group}][{list(ids).index(0)}]", 0,
+                               f"1..{limit - 1}: a FULL group holds no null block",
+                               "pass the real block id; only SLIDING and MAMBA groups "
+                               "may pad positions they never read with 0", group)
+
+
+def check_allocated(cfg: OffloadConfig, ids: frozenset[int]) -> None:
+    """Allocated ids are real blocks: ``1..num_gpu_blocks-1`` (0 is never handed out)."""
+    limit = cfg.num_gpu_blocks
+    if ids and (min(ids) < 1 or max(ids) >= limit):
+        bad = min(ids) if min(ids) < 1 else max(ids)
+        raise BlockIdError("build_step", "allocated_ids", bad,
+                           f"1..{limit - 1} (num_gpu_blocks={limit}; 0 is the null block)",
+                           "list only ids the engine handed out from its GPU pool")
+
+
+def check_unique(step: StepInput) -> None:
+    """One ``ScheduledRequest`` per request, and each preempted id once."""
+    for field, ids in (("requests", [sr.request_id for sr in step.requests]),
+                       ("preempted", list(step.preempted))):
+        if len(set(ids)) != len(ids):
+            seen: set[str] = set()
+            for rid in ids:
+                if rid in seen:
+                    raise DuplicateRequestError("build_step", field, rid)
+                seen.add(rid)
+
+
+def hash_length(where: str, name: str, current: int | None,
+                hashes: Sequence[bytes], owner: str = "") -> int | None:
+    """The scheduler's hash length after ``hashes``; raises if they have another one."""
+    if not hashes:
+        return current
+    size = len(hashes[0])
+    if current is not None and size != current:
+        name = f"{owner}.{name}" if owner else name
+        raise HashError(where, f"len({name}[0])", size, f"{current} bytes (the length of "
+                        "every hash this scheduler has seen)",
+                        "pass hashes from the engine's one hash function")
+    return size
