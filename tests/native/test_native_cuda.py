@@ -192,3 +192,22 @@ def test_transfer_engine_round_trip_on_cuda(method: str) -> None:
     assert torch.equal(bits[20], original[4]) and torch.equal(bits[21], original[5])
     untouched = [i for i in range(32) if i not in (20, 21)]
     assert torch.equal(bits[untouched], original[untouched])
+
+
+@needs_gpu
+def test_overlapping_descriptors_never_reach_the_device(copier: _cuda.CudaCopier,
+                                                        stream: torch.cuda.Stream) -> None:
+    """Batch and kernel have no order, so two writes of one byte (or a read of a byte the
+    call writes) are refused on the host, by every method, before anything is enqueued."""
+    host, device = pools()
+    tables = {Status.E_DST_OVERLAP: [[0, 1, 0, 1, 5, 0, ROW_BYTES], [0, 2, 0, 1, 5, 0, 64]],
+              Status.E_READS_WRITTEN: [[0, 1, 0, 1, 5, 0, ROW_BYTES],
+                                       [1, 5, 0, 0, 3, 0, ROW_BYTES]]}
+    for status, descs in tables.items():
+        for method in methods(copier):
+            with pytest.raises(KVCopyError) as info:
+                copier.copy(regions_of(host, device), DescriptorTable.pack(descs),
+                            stream.cuda_stream, method=method)
+            assert (info.value.code, info.value.descriptor_index) == (status, 1)
+    stream.synchronize()
+    assert int(device.count_nonzero()) == 0
