@@ -119,6 +119,29 @@ def test_a_pool_freed_after_registration_fails_jobs_and_copies_nothing() -> None
     """)
 
 
+def test_a_pool_freed_after_submit_is_caught_before_the_copy() -> None:
+    """The worker looks again right before the C call: a pool freed while the job waited in
+    the queue (submit saw it intact) fails the job instead of reading freed memory."""
+    run_child("""
+        import threading
+        kv = torch.randn((12, 4, 1 << 16))  # 3 MiB: freed pages really go back to the OS
+        engine = TransferEngine(cfg, [[kv]])
+        gate, real = threading.Event(), engine._execute
+        def held(plan, ready):
+            gate.wait(60)
+            return real(plan, ready)
+        engine._execute = held
+        before = engine.cpu_tensor(0, 0).clone()
+        engine.submit(STORE)
+        kv.untyped_storage().resize_(0)
+        gate.set()
+        (result,) = engine.wait([1], timeout=60)
+        assert not result.success and result.bytes == 0 and "storage" in result.error, result
+        assert torch.equal(engine.cpu_tensor(0, 0), before)
+        engine.close()
+    """)
+
+
 def test_a_pool_grown_or_swapped_after_registration_fails_jobs() -> None:
     run_child("""
         kv = torch.randn((12, 4, 64))
