@@ -7,7 +7,7 @@ descriptor table over those regions, following the sequential mapping of ``spec/
 GPU block ``i`` of a group goes to sub-block ``(block_index % bpc + i) % bpc`` of chunk
 ``cpu_slots[(block_index % bpc + i) // bpc]``. STORE copies GPU -> CPU, LOAD CPU -> GPU.
 
-Checks are paired (STYLE.md): the plan is checked in Python, where the error can name the
+Checks are paired: the plan is checked in Python, where the error can name the
 job, the group and the role of the bad id, and the table again in C before the first byte
 moves. Either way a bad job moves zero bytes and is reported as *failed*, never complete.
 
@@ -15,6 +15,12 @@ Jobs run on one background worker thread, in submission order. On the C path the
 releases the GIL; on the CUDA path the worker enqueues on its own stream, after the
 submitter's current stream, and waits on an event. ``wait()`` is how the scheduler's fence
 and preemption flushes make sure a source block is no longer read.
+
+Registered memory is owned: every tensor's storage bounds are checked at registration and
+its storage is kept alive; its pointer and size are compared with the registered ones at
+every submit and right before every copy, so a pool freed or resized by the engine is a
+failed job (``KVC_E_STORAGE``), never a read of freed memory. What Python cannot see is a
+pool freed *while* C copies it; the engine must ``drain()`` first (docs/native.md).
 """
 
 from __future__ import annotations
