@@ -51,6 +51,7 @@ MAX_QUEUED_JOBS_LIMIT = 1 << 20  # the bound on max_queued_jobs itself (memory i
 # job's table holds ids x tensors of them; the full check is on the table's total.
 MAX_IDS_PER_GROUP = 1 << 24
 MAX_JOB_ID = (1 << 63) - 1
+CPU_BUFFER_ALIGNMENT = 64  # an engine-provided CPU tier buffer starts on a cache line
 
 
 @dataclass(frozen=True)
@@ -380,14 +381,75 @@ def cpu_capacity(config: OffloadConfig, group: int) -> int:
     return config.num_cpu_blocks
 
 
+def _check_options(config: object, gpu_tensors: object, pin_memory: object,
+                   cuda_method: object, max_queued_jobs: object) -> None:
+    """The constructor's arguments other than the tensors themselves: types and ranges."""
+    if not isinstance(config, OffloadConfig):
+        raise _bad("config", f"must be an OffloadConfig, not {type(config).__name__}")
+    if isinstance(gpu_tensors, torch.Tensor) or not isinstance(gpu_tensors, (list, tuple)):
+        raise _bad("gpu_tensors", f"must be a list with one list of tensors per group, not "
+                                  f"{type(gpu_tensors).__name__}")
+    if len(gpu_tensors) != len(config.groups):
+        raise _bad("gpu_tensors", f"has {len(gpu_tensors)} groups but the config has "
+                                  f"{len(config.groups)}; pass one list of tensors per group",
+                   value=len(gpu_tensors), bound=len(config.groups))
+    if not isinstance(cuda_method, str) or cuda_method not in _cuda.METHODS:
+        raise _bad("cuda_method", f"{cuda_method!r} is not one of {sorted(_cuda.METHODS)}")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise _bad("pin_memory", f"{pin_memory!r} must be True, False or None (auto)")
+    if isinstance(max_queued_jobs, bool) or not isinstance(max_queued_jobs, int) \
+            or not 1 <= max_queued_jobs <= MAX_QUEUED_JOBS_LIMIT:
+        raise _bad("max_queued_jobs", f"{max_queued_jobs!r} must be an int in "
+                                      f"1..{MAX_QUEUED_JOBS_LIMIT}")
+
+
+def _check_buffer(buf: object, where: str, nbytes: int, pinned: bool) -> torch.Tensor:
+    """An engine-provided CPU tier buffer: exactly the bytes the groups need, nothing else.
+
+    1-D contiguous uint8 on the CPU, its storage covering it, ``CPU_BUFFER_ALIGNMENT``-byte
+    aligned, page-locked when the engine copies to a GPU (``pin_memory``), and exactly
+    ``nbytes`` long: a larger buffer would be pinned memory no slot can use.
+    """
+    if not isinstance(buf, torch.Tensor):
+        raise _bad(where, f"must be a torch.Tensor, not {type(buf).__name__}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.layout != torch.strided:
+        raise _bad(where, f"must be a 1-D uint8 tensor (got {buf.dtype}, shape "
+                          f"{tuple(buf.shape)}); pass torch.empty(n, dtype=torch.uint8, "
+                          "pin_memory=True)")
+    if buf.device.type != "cpu":
+        raise _bad(where, f"is on {buf.device}; the CPU tier lives in host memory")
+    _pool_of(buf, where, torch.device("cpu"))  # its storage must cover it
+    if buf.numel() > 1 and buf.stride(0) != 1:
+        raise _bad(where, f"is not contiguous (stride {buf.stride(0)})", value=buf.stride(0),
+                   bound=1)
+    if buf.numel() != nbytes:
+        raise _bad(where, f"holds {buf.numel()} bytes; the CPU tier needs exactly {nbytes} "
+                          "(sum over its tensors of capacity x blocks_per_chunk x bytes per "
+                          "block)", value=buf.numel(), bound=nbytes)
+    if buf.data_ptr() % CPU_BUFFER_ALIGNMENT:
+        raise _bad(where, f"starts at {buf.data_ptr():#x}, not a multiple of "
+                          f"{CPU_BUFFER_ALIGNMENT} bytes", value=buf.data_ptr() %
+                   CPU_BUFFER_ALIGNMENT, bound=0)
+    if pinned and not buf.is_pinned():
+        raise _bad(where, "is not page-locked; copies to the GPU need pinned memory "
+                          "(torch.empty(..., pin_memory=True), or pass pin_memory=False)")
+    return buf
+
+
 class TransferEngine:
-    """Moves KV blocks between the engine's GPU tensors and a CPU tier it allocates.
+    """Moves KV blocks between the engine's GPU tensors and a CPU tier of chunk slots.
 
     ``gpu_tensors[g]`` lists group ``g``'s tensors: per-layer tensors (dim 0 = block id, any
     dtype, copied as bytes), or one packed cross-layer tensor whose rows hold every layer
     (or per-layer views of it, whose rows are strided). Every tensor needs
     ``shape[0] == config.num_gpu_blocks``. On a machine without a GPU the "GPU" tensors are
     CPU tensors and the C library does the copies; with CUDA tensors the CUDA library does.
+
+    The CPU tier holds, for group ``g``, ``cpu_capacity(config, g)`` chunk slots (slot ids
+    are per group: 0..capacity-1) of ``blocks_per_chunk`` blocks of each of its tensors,
+    and nothing else: ``pinned_bytes()`` is the sum over groups of capacity x bytes per
+    chunk. It is allocated here (pinned when the GPU tensors are on CUDA), or carved from
+    ``cpu_buffer``, an engine-provided uint8 tensor of exactly that size (or one per group).
 
     Lifetime: the engine keeps a reference to every registered storage, so dropping a
     tensor frees nothing it copies. Freeing or resizing a pool in place (sleep mode, cache
@@ -401,30 +463,16 @@ class TransferEngine:
 
     def __init__(self, config: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
                  *, pin_memory: bool | None = None, cuda_method: str = "auto",
-                 max_queued_jobs: int = MAX_QUEUED_JOBS) -> None:
-        if not isinstance(config, OffloadConfig):
-            raise _bad("config", f"must be an OffloadConfig, not {type(config).__name__}")
-        if isinstance(gpu_tensors, torch.Tensor) or not isinstance(gpu_tensors, (list, tuple)):
-            raise _bad("gpu_tensors", f"must be a list with one list of tensors per group, not "
-                                      f"{type(gpu_tensors).__name__}")
-        if len(gpu_tensors) != len(config.groups):
-            raise _bad("gpu_tensors", f"has {len(gpu_tensors)} groups but the config has "
-                                      f"{len(config.groups)}; pass one list of tensors per "
-                                      "group", value=len(gpu_tensors), bound=len(config.groups))
-        if not isinstance(cuda_method, str) or cuda_method not in _cuda.METHODS:
-            raise _bad("cuda_method", f"{cuda_method!r} is not one of {sorted(_cuda.METHODS)}")
-        if pin_memory is not None and not isinstance(pin_memory, bool):
-            raise _bad("pin_memory", f"{pin_memory!r} must be True, False or None (auto)")
-        if isinstance(max_queued_jobs, bool) or not isinstance(max_queued_jobs, int) \
-                or not 1 <= max_queued_jobs <= MAX_QUEUED_JOBS_LIMIT:
-            raise _bad("max_queued_jobs", f"{max_queued_jobs!r} must be an int in "
-                                          f"1..{MAX_QUEUED_JOBS_LIMIT}")
+                 max_queued_jobs: int = MAX_QUEUED_JOBS,
+                 cpu_buffer: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
+        _check_options(config, gpu_tensors, pin_memory, cuda_method, max_queued_jobs)
         self.config = config
         self.device = self._common_device(gpu_tensors)
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
         gpu_pools = self._gpu_pools(gpu_tensors)
-        self._groups, regions = self._register(gpu_pools, pin_memory)
+        buffers = self._cpu_buffers(gpu_pools, cpu_buffer, pin_memory)
+        self._groups, regions = self._register(gpu_pools, buffers)
         self._regions = RegionTable(regions)
         self._cuda: _cuda.CudaCopier | None = None
         self._method = _cuda.METHODS[cuda_method]
@@ -477,27 +525,56 @@ class TransferEngine:
         _check_disjoint([p for pools in out for p in pools])
         return out
 
-    def _register(self, gpu_pools: list[list[_Pool]], pin: bool
+    def _chunk_bytes(self, gpu_pools: list[list[_Pool]], g: int) -> list[int]:
+        """Bytes of one CPU chunk of each of group ``g``'s tensors."""
+        bpc = self.config.groups[g].blocks_per_chunk
+        return [bpc * p.row_bytes for p in gpu_pools[g]]
+
+    def _cpu_buffers(self, gpu_pools: list[list[_Pool]], cpu_buffer: object, pin: bool
+                     ) -> list[torch.Tensor]:
+        """One flat uint8 buffer per group: carved from the engine's, or allocated here.
+
+        Group g needs ``cpu_capacity(config, g)`` chunks per tensor and nothing more; a
+        single engine buffer holds the groups back to back, in group order.
+        """
+        needs = [cpu_capacity(self.config, g) * sum(self._chunk_bytes(gpu_pools, g))
+                 for g in range(len(gpu_pools))]
+        if cpu_buffer is None:
+            return [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in needs]
+        if isinstance(cpu_buffer, torch.Tensor):
+            flat = _check_buffer(cpu_buffer, "cpu_buffer", sum(needs), pin)
+            starts = [sum(needs[:g]) for g in range(len(needs))]
+            return [flat[a:a + n] for a, n in zip(starts, needs, strict=True)]
+        if not isinstance(cpu_buffer, (list, tuple)) or len(cpu_buffer) != len(needs):
+            raise _bad("cpu_buffer", f"must be one uint8 tensor or a list of {len(needs)} "
+                                     "(one per group)")
+        return [_check_buffer(b, f"cpu_buffer[{g}]", n, pin)
+                for g, (b, n) in enumerate(zip(cpu_buffer, needs, strict=True))]
+
+    def _register(self, gpu_pools: list[list[_Pool]], buffers: list[torch.Tensor]
                   ) -> tuple[list[list[_Registered]], list[Region]]:
-        """Allocate each GPU tensor's CPU twin and lay out the region table."""
-        cfg = self.config
+        """Carve each GPU tensor's CPU twin out of its group's buffer; lay out the regions."""
         gpu_flags = _native.REGION_REFUSE_ROW0
         if self.device.type == "cuda":
             gpu_flags |= _native.REGION_DEVICE
         groups: list[list[_Registered]] = []
         regions: list[Region] = []
+        cpu_pools: list[_Pool] = []
         for g, pools in enumerate(gpu_pools):
-            bpc = cfg.groups[g].blocks_per_chunk
+            rows, at = cpu_capacity(self.config, g), 0
             regs: list[_Registered] = []
-            for k, p in enumerate(pools):
-                cpu = torch.empty((cpu_capacity(cfg, g), bpc * p.row_bytes), dtype=torch.uint8,
-                                  pin_memory=pin)
+            for k, (p, chunk) in enumerate(zip(pools, self._chunk_bytes(gpu_pools, g),
+                                               strict=True)):
+                cpu = buffers[g][at:at + rows * chunk].view(rows, chunk)
+                at += rows * chunk
                 cpu_pool = _pool_of(cpu, f"cpu tier [{g}][{k}]", torch.device("cpu"))
+                cpu_pools.append(cpu_pool)
                 regions.append(p.region(gpu_flags))
                 regions.append(cpu_pool.region(0))
                 regs.append(_Registered(p.tensor, cpu, p.row_bytes, len(regions) - 2,
                                         len(regions) - 1, p, cpu_pool))
             groups.append(regs)
+        _check_disjoint([p for pools in gpu_pools for p in pools] + cpu_pools)
         return groups, regions
 
     def rebind_gpu_tensors(self, gpu_tensors: Sequence[Sequence[torch.Tensor]],
@@ -762,8 +839,19 @@ class TransferEngine:
     # -- the CPU tier ----------------------------------------------------------------------
 
     def cpu_tier_bytes(self) -> int:
-        """Bytes allocated for the CPU tier (all groups, all tensors)."""
-        return sum(r.cpu.numel() for regs in self._groups for r in regs)
+        """Bytes of the CPU tier (all groups, all tensors); the same as ``pinned_bytes()``."""
+        return self.pinned_bytes()
+
+    def pinned_bytes(self, group: int | None = None) -> int:
+        """Bytes of the CPU tier of one group, or of all groups (page-locked on CUDA).
+
+        Exactly ``cpu_capacity(config, g) x blocks_per_chunk x bytes per block`` summed
+        over the group's tensors: every byte belongs to a slot of its group.
+        """
+        if group is None:
+            return sum(self.pinned_bytes(g) for g in range(len(self._groups)))
+        self._registered(group, 0)
+        return sum(r.cpu.numel() for r in self._groups[group])
 
     def _registered(self, group: object, tensor: object) -> _Registered:
         """The registration of tensor ``tensor`` of ``group``; TransferArgumentError if none."""
