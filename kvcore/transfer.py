@@ -471,8 +471,8 @@ class TransferEngine:
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
         gpu_pools = self._gpu_pools(gpu_tensors)
-        buffers = self._cpu_buffers(gpu_pools, cpu_buffer, pin_memory)
-        self._groups, regions = self._register(gpu_pools, buffers)
+        self._buffers = self._cpu_buffers(gpu_pools, cpu_buffer, pin_memory)
+        self._groups, regions = self._register(gpu_pools, self._buffers)
         self._regions = RegionTable(regions)
         self._cuda: _cuda.CudaCopier | None = None
         self._method = _cuda.METHODS[cuda_method]
@@ -845,13 +845,14 @@ class TransferEngine:
     def pinned_bytes(self, group: int | None = None) -> int:
         """Bytes of the CPU tier of one group, or of all groups (page-locked on CUDA).
 
-        Exactly ``cpu_capacity(config, g) x blocks_per_chunk x bytes per block`` summed
-        over the group's tensors: every byte belongs to a slot of its group.
+        The size of the group's buffer as allocated (or handed in), which is exactly
+        ``cpu_capacity(config, g) x blocks_per_chunk x bytes per block`` summed over the
+        group's tensors: every byte belongs to a slot of its group.
         """
         if group is None:
             return sum(self.pinned_bytes(g) for g in range(len(self._groups)))
         self._registered(group, 0)
-        return sum(r.cpu.numel() for r in self._groups[group])
+        return int(self._buffers[group].numel())
 
     def _registered(self, group: object, tensor: object) -> _Registered:
         """The registration of tensor ``tensor`` of ``group``; TransferArgumentError if none."""
