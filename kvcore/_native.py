@@ -54,6 +54,10 @@ class Status(enum.IntEnum):
     E_NOT_READY = 18
     E_METHOD = 19
     E_PAGEABLE = 20
+    E_DST_OVERLAP = 21
+    E_READS_WRITTEN = 22
+    E_NO_MEMORY = 23
+    E_STORAGE = 24
 
 
 class Side(enum.IntEnum):
@@ -130,6 +134,13 @@ def _describe(rec: ErrorRecord, roles: tuple[str, str]) -> str:
         Status.E_OFFSET: f"{role} offset {v} + size runs past the row end "
                          f"(offset must be <= {b})",
         Status.E_OVERLAP: "source and destination bytes overlap",
+        Status.E_DST_OVERLAP: f"{role} bytes overlap those descriptor {v} writes; every "
+                              "destination byte may be written by one descriptor only (a "
+                              "block or chunk named twice as a destination?)",
+        Status.E_READS_WRITTEN: f"{role} bytes are written by descriptor {v} of the same call; "
+                                "a call may not read what it writes (split it in two calls)",
+        Status.E_NO_MEMORY: f"the copy needs {v} bytes of scratch memory and the allocation "
+                            "failed; pass fewer descriptors per call",
     }
     return texts.get(rec.status) or f"{status_text(rec.status)} (value={v}, bound={b})"
 
@@ -137,11 +148,13 @@ def _describe(rec: ErrorRecord, roles: tuple[str, str]) -> str:
 def make_error(rec: ErrorRecord, *, num_descs: int, context: str = "",
                roles: tuple[str, str] = _ROLE_DEFAULT, job_id: int | None = None,
                group: int | None = None) -> KVCopyError:
-    """Build the KVCopyError for a failed status; message style of STYLE.md ("errors teach")."""
+    """Build the KVCopyError for a failed status: what is wrong, the value and its bound."""
     where = f" ({context})" if context else ""
     if rec.side == Side.REGION:
         head = f"region {rec.index}{where}: {status_text(rec.status)} " \
                f"(value={rec.value}, bound={rec.bound})"
+    elif rec.status == Status.E_NO_MEMORY:
+        head = f"a call with {num_descs} descriptors{where}: {_describe(rec, roles)}"
     else:
         head = f"descriptor {rec.index} of {num_descs}{where}: {_describe(rec, roles)}"
     if rec.status == Status.E_CUDA:

@@ -6,7 +6,7 @@
  * Every region and every descriptor is validated before the first byte moves (invariant B1);
  * on failure nothing is copied and the error record names the first bad descriptor.
  *
- * Rules the code keeps (STYLE.md, native/): the C code knows no Python, keeps no global
+ * Rules the code keeps: the C code knows no Python, keeps no global
  * mutable state (every function is a pure function of its arguments plus the memory it is
  * told to copy, so it is safe to call from several threads at once), and returns an int
  * status; kvc_status_text() is the one place a status becomes text.
@@ -26,8 +26,11 @@ extern "C" {
 
 /* CFFI-BEGIN */
 
-/* Bumped whenever a struct layout or a signature changes; the smoke test compares it. */
-#define KVC_ABI_VERSION 1
+/*
+ * Bumped whenever a struct layout, a signature or the set of accepted tables changes; the
+ * smoke test compares it. 2: overlap between descriptors of one call is refused.
+ */
+#define KVC_ABI_VERSION 2
 
 /* Limits on one call (put a limit on everything): regions registered, descriptors passed. */
 #define KVC_MAX_REGIONS 65536
@@ -55,7 +58,11 @@ extern "C" {
 #define KVC_E_NOT_READY 18     /* an event has not completed yet (not an error) */
 #define KVC_E_METHOD 19        /* an unknown or unavailable CUDA copy method */
 #define KVC_E_PAGEABLE 20      /* the CUDA kernel path was given pageable host memory */
-#define KVC_STATUS_COUNT 21
+#define KVC_E_DST_OVERLAP 21   /* two descriptors of one call write overlapping bytes */
+#define KVC_E_READS_WRITTEN 22 /* a descriptor reads bytes another descriptor of the call writes */
+#define KVC_E_NO_MEMORY 23     /* the per-call scratch memory could not be allocated */
+#define KVC_E_STORAGE 24       /* caller-side: a registered tensor's storage was freed or moved */
+#define KVC_STATUS_COUNT 25
 
 /* Which side of a descriptor an error is about (kvc_error.side). */
 #define KVC_SIDE_NONE 0
@@ -120,7 +127,17 @@ size_t kvc_sizeof_error(void);
 /* The one status -> text function; never returns NULL. */
 const char *kvc_status_text(int status);
 
-/* Validate regions and descriptors without copying (a dry run for engines). */
+/*
+ * Validate regions and descriptors without copying (a dry run for engines). Checks run in
+ * this order and the first failure is reported: limits and NULL tables, each region, each
+ * descriptor (in table order), then overlap between descriptors: two destinations that
+ * share a byte (KVC_E_DST_OVERLAP: index = the later descriptor, value = the earlier one),
+ * then a source that shares a byte with another descriptor's destination
+ * (KVC_E_READS_WRITTEN: index = the reading descriptor, value = the writing one). Sources
+ * may overlap each other. So an accepted table means the same thing in any copy order.
+ * Each caller field is read once; the scratch memory is at most 48 bytes per descriptor
+ * plus 48 per region, allocated once per call (KVC_E_NO_MEMORY when that fails).
+ */
 int kvc_validate(const kvc_region *regions, uint64_t num_regions,
                  const kvc_desc *descs, uint64_t num_descs, kvc_error *error);
 
@@ -131,12 +148,36 @@ int kvc_copy(const kvc_region *regions, uint64_t num_regions,
 /* CFFI-END */
 
 /*
- * Internal to the native libraries (not part of the cffi API): check descriptor `index` of
- * `descs` exactly as kvc_validate does and return its source and destination addresses.
- * The CUDA library uses it so that host and device paths share one validation.
+ * Internal to the native libraries (not part of the cffi API): the one validation both the
+ * host and the CUDA library run. kvc_snapshot_take reads every region and every descriptor
+ * of the caller exactly once into memory it owns, checks them, resolves each descriptor to
+ * addresses, and checks overlap between descriptors; from then on only the snapshot is
+ * read, so a caller (or another thread) rewriting its tables during the call cannot make
+ * the copy touch memory that was not validated. Release it with kvc_snapshot_release.
  */
-int kvc_resolve(const kvc_region *regions, uint64_t num_regions, const kvc_desc *descs,
-                uint64_t index, kvc_error *error, uint64_t *src, uint64_t *dst);
+#define KVC_SMALL_REGIONS 16
+#define KVC_SMALL_DESCS 32
+
+typedef struct kvc_entry {
+    uint64_t src;
+    uint64_t dst;
+    uint64_t size;
+} kvc_entry;
+
+typedef struct kvc_snapshot {
+    kvc_region *regions;  /* the checked regions, in caller order */
+    kvc_entry *entries;   /* the resolved descriptors, in caller order */
+    uint64_t num_regions;
+    uint64_t num_entries;
+    void *heap;           /* the single allocation behind the arrays, NULL for small calls */
+    kvc_region small_regions[KVC_SMALL_REGIONS];
+    kvc_entry small_entries[KVC_SMALL_DESCS];
+    uint64_t small_work[3 * KVC_SMALL_DESCS];
+} kvc_snapshot;
+
+int kvc_snapshot_take(const kvc_region *regions, uint64_t num_regions, const kvc_desc *descs,
+                      uint64_t num_descs, kvc_snapshot *snap, kvc_error *error);
+void kvc_snapshot_release(kvc_snapshot *snap);
 
 #ifdef __cplusplus
 }

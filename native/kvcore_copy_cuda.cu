@@ -1,9 +1,12 @@
 /*
  * kvcore_copy_cuda.cu: validated KV block copies between pinned host memory and the GPU.
  *
- * Every descriptor is validated on the host by the same code as the C path (kvc_validate,
- * kvc_resolve from kvcore_copy.c) before anything is enqueued; the driver never sees a bad
- * id. Then contiguous runs are merged and submitted by one of three methods:
+ * Every descriptor is validated on the host by the same code as the C path
+ * (kvc_snapshot_take from kvcore_copy.c: the caller's tables are read once into local
+ * memory, checked, and overlap between descriptors refused) before anything is enqueued;
+ * the driver never sees a bad id, and batch or kernel, which have no order, never see two
+ * descriptors racing on one byte. Then contiguous runs of the snapshot are merged and
+ * submitted by one of three methods:
  *   - BATCH: cuMemcpyBatchAsync, resolved at run time with cudaGetDriverEntryPointByVersion
  *     and a typedef that matches the version asked for. CUDA 12.8's form has a failIdx
  *     argument that 13.0 dropped; calling one with the other's signature moves the stream
@@ -232,34 +235,28 @@ extern "C" int kvc_cuda_get_info(const kvc_cuda *ctx, kvc_cuda_info *info)
     return KVC_OK;
 }
 
-/* Validate everything, then merge descriptors into runs (same rule as the C path). */
-static int kvc_build_runs(const kvc_region *regions, uint64_t num_regions, const kvc_desc *descs,
-                          uint64_t num_descs, kvc_run *runs, uint64_t *num_runs,
-                          kvc_error *error)
+/*
+ * Merge the snapshot's descriptors into runs (same rule as the C path). Only the snapshot is
+ * read: it was validated, overlap included, so the runs can be enqueued in any order.
+ */
+static uint64_t kvc_build_runs(const kvc_snapshot *snap, kvc_run *runs)
 {
-    int status = kvc_validate(regions, num_regions, descs, num_descs, error);
     uint64_t n = 0;
-    for (uint64_t i = 0; status == KVC_OK && i < num_descs; i++) {
-        uint64_t src, dst;
-        status = kvc_resolve(regions, num_regions, descs, i, error, &src, &dst);
-        if (status != KVC_OK) {
-            break;
-        }
-        uint64_t size = (uint64_t)descs[i].size_bytes;
+    for (uint64_t i = 0; i < snap->num_entries; i++) {
+        const kvc_entry *e = &snap->entries[i];
         kvc_run *last = n > 0 ? &runs[n - 1] : NULL;
-        if (last != NULL && src == last->src + last->size && dst == last->dst + last->size
-            && (src + size <= last->dst || dst + size <= last->src)) {
-            last->size += size;
+        if (last != NULL && e->src == last->src + last->size
+            && e->dst == last->dst + last->size) {
+            last->size += e->size;
             continue;
         }
-        runs[n].src = src;
-        runs[n].dst = dst;
-        runs[n].size = size;
+        runs[n].src = e->src;
+        runs[n].dst = e->dst;
+        runs[n].size = e->size;
         runs[n].first = i;
         n++;
     }
-    *num_runs = n;
-    return status;
+    return n;
 }
 
 static int kvc_submit_batch(const kvc_cuda *ctx, const kvc_run *runs, uint64_t num_runs,
@@ -403,6 +400,38 @@ static int kvc_choose_method(const kvc_cuda *ctx, int32_t method, cudaStream_t s
     return method;
 }
 
+/* Choose the method, build the runs and enqueue them; the snapshot is already validated. */
+static int kvc_enqueue(const kvc_cuda *ctx, const kvc_snapshot *snap, cudaStream_t s,
+                       int32_t method, int32_t kernel_ctas, kvc_error *error)
+{
+    int chosen = kvc_choose_method(ctx, method, s, error);
+    if (chosen < 0) {
+        return -chosen;
+    }
+    if (chosen == KVC_CUDA_KERNEL) {
+        int status = kvc_check_kernel_regions(ctx, snap->regions, snap->num_regions, error);
+        if (status != KVC_OK) {
+            return status;
+        }
+    }
+    kvc_run *runs = (kvc_run *)malloc((size_t)snap->num_entries * sizeof(kvc_run));
+    if (runs == NULL) {
+        return kvc_cuda_fail(error, KVC_E_NO_MEMORY, 0, KVC_SIDE_NONE,
+                             (int64_t)(snap->num_entries * sizeof(kvc_run)), 0);
+    }
+    uint64_t num_runs = kvc_build_runs(snap, runs);
+    int status;
+    if (chosen == KVC_CUDA_BATCH || chosen == KVC_CUDA_BATCH_V12080) {
+        status = kvc_submit_batch(ctx, runs, num_runs, s, chosen == KVC_CUDA_BATCH_V12080, error);
+    } else if (chosen == KVC_CUDA_KERNEL) {
+        status = kvc_submit_kernel(ctx, runs, num_runs, s, kernel_ctas, error);
+    } else {
+        status = kvc_submit_per_copy(runs, num_runs, s, error);
+    }
+    free(runs);
+    return status;
+}
+
 extern "C" int kvc_cuda_copy(const kvc_cuda *ctx, const kvc_region *regions,
                              uint64_t num_regions, const kvc_desc *descs, uint64_t num_descs,
                              uint64_t stream, int32_t method, int32_t kernel_ctas,
@@ -414,42 +443,21 @@ extern "C" int kvc_cuda_copy(const kvc_cuda *ctx, const kvc_region *regions,
     if (kvc_is_default_stream(stream)) {
         return kvc_cuda_fail(error, KVC_E_DEFAULT_STREAM, 0, KVC_SIDE_NONE, (int64_t)stream, 0);
     }
-    int status = kvc_validate(regions, num_regions, descs, num_descs, error);
+    /* The one read of the caller's tables: validation, overlap and copy all use the snapshot. */
+    kvc_snapshot snap;
+    int status = kvc_snapshot_take(regions, num_regions, descs, num_descs, &snap, error);
     if (status != KVC_OK || num_descs == 0) {
+        kvc_snapshot_release(&snap);
         return status;
     }
     int previous = 0;
     status = kvc_enter(ctx, &previous, error);
-    if (status != KVC_OK) {
-        return status;
-    }
-    cudaStream_t s = (cudaStream_t)(uintptr_t)stream;
-    int chosen = kvc_choose_method(ctx, method, s, error);
-    kvc_run *runs = (kvc_run *)malloc((size_t)num_descs * sizeof(kvc_run));
-    uint64_t num_runs = 0;
-    if (chosen < 0) {
-        status = -chosen;
-    } else if (runs == NULL) {
-        status = kvc_cuda_fail(error, KVC_E_CUDA, 0, KVC_SIDE_NONE,
-                               (int64_t)cudaErrorMemoryAllocation, 0);
-    } else {
-        status = kvc_build_runs(regions, num_regions, descs, num_descs, runs, &num_runs, error);
-    }
-    if (status == KVC_OK && chosen == KVC_CUDA_KERNEL) {
-        status = kvc_check_kernel_regions(ctx, regions, num_regions, error);
-    }
     if (status == KVC_OK) {
-        if (chosen == KVC_CUDA_BATCH || chosen == KVC_CUDA_BATCH_V12080) {
-            status = kvc_submit_batch(ctx, runs, num_runs, s, chosen == KVC_CUDA_BATCH_V12080,
-                                      error);
-        } else if (chosen == KVC_CUDA_KERNEL) {
-            status = kvc_submit_kernel(ctx, runs, num_runs, s, kernel_ctas, error);
-        } else {
-            status = kvc_submit_per_copy(runs, num_runs, s, error);
-        }
+        status = kvc_enqueue(ctx, &snap, (cudaStream_t)(uintptr_t)stream, method, kernel_ctas,
+                             error);
+        kvc_leave(ctx, previous);
     }
-    free(runs);
-    kvc_leave(ctx, previous);
+    kvc_snapshot_release(&snap);
     return status;
 }
 

@@ -23,7 +23,7 @@ extern "C" {
 
 /* CFFI-BEGIN */
 
-#define KVC_CUDA_ABI_VERSION 1
+#define KVC_CUDA_ABI_VERSION 2
 
 /* Descriptors per driver call (cuMemcpyBatchAsync) and per kernel launch. */
 #define KVC_CUDA_MAX_BATCH 4096

@@ -270,3 +270,22 @@ class BadKeyError(InvalidKeyError):
                 else f"has {len(key)} bytes, outside 1..{bound}")
         self.message = (f"{where}: key {short_key(key)} {what}; build keys with "
                         "kvcore.spec.types.make_key")
+
+
+class TransferArgumentError(ValueError):
+    """``TransferEngine`` refused an argument: a tensor or buffer to register, or a call's plan.
+
+    Raised before anything is registered or queued, so the engine is unchanged. ``where``
+    names the argument (``gpu_tensors[1][3]``, ``cpu_buffer``, ``plan.groups[0]``...);
+    ``value`` and ``bound`` are the offending number and its limit when there is one, and
+    ``job_id`` the plan's job when the call had one. Copy-time failures of a valid-looking
+    job are ``KVCopyError`` (in ``validate``) or a failed ``TransferResult`` (in ``submit``).
+    """
+
+    def __init__(self, where: str, message: str, *, value: int | None = None,
+                 bound: int | None = None, job_id: int | None = None) -> None:
+        self.where = where
+        self.value = value
+        self.bound = bound
+        self.job_id = job_id
+        super().__init__(f"{where}: {message}")

@@ -12,6 +12,9 @@ or be unchanged on error.
 from __future__ import annotations
 
 import ctypes
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -127,6 +130,30 @@ def _desc_violation(regions: list[Region], d: tuple[int, ...]
     return None
 
 
+def reference_overlaps(regions: list[Region], descs: Sequence[tuple[int, ...]]
+                       ) -> tuple[int, set[tuple[int, int]]] | None:
+    """For a table every descriptor of which is valid: the cross-descriptor rule it breaks.
+
+    Returns the status and every (index, value) pair the C library may report: two
+    destinations sharing a byte as (later, earlier), else a source sharing a byte with
+    another descriptor's destination as (reader, writer). Quadratic, written from the
+    header's words; the library's sort must agree with it.
+    """
+    spans = [(address(regions, d[0], d[1], d[2]), address(regions, d[3], d[4], d[5]), d[6])
+             for d in descs]
+
+    def meet(a: int, b: int, n: int, m: int) -> bool:
+        return a < b + m and b < a + n
+
+    dst = {(j, i) for j in range(len(spans)) for i in range(j)
+           if meet(spans[j][1], spans[i][1], spans[j][2], spans[i][2])}
+    if dst:
+        return (Status.E_DST_OVERLAP, dst)
+    reads = {(i, j) for i in range(len(spans)) for j in range(len(spans))
+             if i != j and meet(spans[i][0], spans[j][1], spans[i][2], spans[j][2])}
+    return (Status.E_READS_WRITTEN, reads) if reads else None
+
+
 def reference_copy(arena: Arena, before: bytearray, regions: list[Region],
                    descs: Sequence[tuple[int, ...]]) -> bytearray:
     """Sequential memcpy semantics over a snapshot (what the C library promises)."""
@@ -152,7 +179,15 @@ def run_and_check(arena: Arena, regions: list[Region], descs: Sequence[tuple[int
     except KVCopyError as exc:
         error = exc
     after = arena.snapshot()
-    if expected_error is None:
+    cross = reference_overlaps(regions, descs) if expected_error is None else None
+    if currently_in_test_context() and cross is not None:
+        event(Status(cross[0]).name)
+    if cross is not None:
+        assert error is not None, f"accepted, expected {Status(cross[0]).name}"
+        assert error.code == cross[0] and error.bound == 0, error
+        assert (error.descriptor_index, error.value) in cross[1], (error, cross[1])
+        assert after == before, "an invalid call changed bytes"
+    elif expected_error is None:
         assert error is None, error
         assert after == reference_copy(arena, before, regions, descs)
     else:
@@ -177,9 +212,14 @@ def two_regions(arena: Arena) -> list[Region]:
 def test_gather_and_scatter_known_answer(flags: int) -> None:
     arena = Arena(1)
     regions = two_regions(arena)
-    descs = [(0, 3, 0, 1, 2, 64, 64), (0, 4, 0, 1, 2, 0, 64), (1, 2, 0, 0, 7, 0, 64),
+    descs = [(0, 3, 0, 1, 2, 64, 64), (0, 4, 0, 1, 2, 0, 64), (1, 3, 0, 0, 7, 0, 64),
              (0, 1, 8, 1, 0, 16, 32), (0, 1, 40, 1, 0, 48, 24)]
     assert run_and_check(arena, regions, descs, flags) is None
+    # Reading a row another descriptor of the same call writes is refused on every path.
+    descs[2] = (1, 2, 0, 0, 7, 0, 64)
+    error = run_and_check(arena, regions, descs, flags)
+    assert error is not None and error.code == Status.E_READS_WRITTEN
+    assert (error.descriptor_index, error.value) in {(2, 0), (2, 1)}
 
 
 def test_empty_call_is_a_no_op() -> None:
@@ -241,8 +281,8 @@ def test_bad_descriptor_table(why: str, desc: tuple[int, ...], status: int, side
     """Each bad descriptor sits at index 2 between good ones; nothing at all may move."""
     arena = Arena(5)
     regions = [*two_regions(arena), arena.region(3000, 8, 8, 1), arena.region(3100, 8, 8, 0)]
-    good = (0, 3, 0, 1, 2, 0, 64)
-    error = run_and_check(arena, regions, [good, good, desc, good])
+    good = [(0, 3, 0, 1, 2, 0, 64), (0, 4, 0, 1, 2, 64, 64), (0, 5, 0, 1, 3, 0, 64)]
+    error = run_and_check(arena, regions, [good[0], good[1], desc, good[2]])
     assert error is not None and error.code == status and error.descriptor_index == 2
     assert "no bytes were copied" in str(error) and "descriptor 2 of 4" in str(error)
     expected = reference_check(regions, [desc])
@@ -399,11 +439,13 @@ def valid_copies(draw: st.DrawFn, regions: list[Region]) -> list[tuple[int, ...]
         sr, dr = draw(st.integers(0, 1)), draw(st.integers(0, 1))
         s, d = regions[sr], regions[dr]
         size = draw(st.integers(1, min(s.row_bytes, d.row_bytes)))
-        descs.append((sr, draw(st.integers(1, s.num_rows - 1)),
-                      draw(st.integers(0, s.row_bytes - size)), dr,
-                      draw(st.integers(1, d.num_rows - 1)),
-                      draw(st.integers(0, d.row_bytes - size)), size))
-    return descs
+        desc = (sr, draw(st.integers(1, s.num_rows - 1)), draw(st.integers(0, s.row_bytes - size)),
+                dr, draw(st.integers(1, d.num_rows - 1)), draw(st.integers(0, d.row_bytes - size)),
+                size)
+        if reference_check(regions, [*descs, desc]) is None and \
+                reference_overlaps(regions, [*descs, desc]) is None:
+            descs.append(desc)  # keep the table valid, so the copy itself is what is tested
+    return descs or [(0, 1, 0, 1, 1, 0, 1)]
 
 
 @given(st.data())
@@ -412,3 +454,230 @@ def test_valid_copies_match_sequential_semantics(data: st.DataObject) -> None:
     regions = two_regions(arena)
     descs = data.draw(valid_copies(regions))
     run_and_check(arena, regions, descs, data.draw(st.sampled_from([0, _native.COPY_PLAIN])))
+
+
+# -- overlap between the descriptors of one call ------------------------------------------------
+
+CROSS_DESCRIPTORS = [
+    # (why, descriptors, expected (status, index, value) or None when accepted)
+    ("one destination twice", [(0, 1, 0, 1, 0, 0, 64), (0, 2, 0, 1, 0, 0, 64)],
+     (Status.E_DST_OVERLAP, 1, 0)),
+    ("destinations share 32 bytes", [(0, 1, 0, 1, 0, 0, 64), (0, 2, 0, 1, 0, 32, 64)],
+     (Status.E_DST_OVERLAP, 1, 0)),
+    ("destinations share the last byte", [(0, 2, 0, 1, 1, 63, 1), (0, 1, 0, 1, 1, 0, 64)],
+     (Status.E_DST_OVERLAP, 1, 0)),
+    ("third overlaps the first", [(0, 1, 0, 1, 0, 0, 64), (0, 2, 0, 1, 1, 0, 64),
+                                  (0, 3, 0, 1, 0, 8, 8)], (Status.E_DST_OVERLAP, 2, 0)),
+    ("reads what an earlier one writes", [(0, 1, 0, 1, 0, 0, 64), (1, 0, 0, 0, 2, 0, 64)],
+     (Status.E_READS_WRITTEN, 1, 0)),
+    ("reads what a later one writes", [(1, 0, 0, 0, 2, 0, 64), (0, 1, 0, 1, 0, 0, 64)],
+     (Status.E_READS_WRITTEN, 0, 1)),
+    ("reads one byte another writes", [(0, 1, 0, 1, 0, 0, 8), (1, 0, 7, 0, 2, 0, 1)],
+     (Status.E_READS_WRITTEN, 1, 0)),
+    ("adjacent destinations", [(0, 1, 0, 1, 0, 0, 64), (0, 2, 0, 1, 0, 64, 64)], None),
+    ("one source read twice", [(0, 1, 0, 1, 0, 0, 64), (0, 1, 0, 1, 1, 0, 64)], None),
+    ("reads right after another's destination", [(0, 1, 0, 1, 0, 0, 64),
+                                                 (1, 0, 64, 0, 2, 0, 64)], None),
+]
+
+
+@pytest.mark.parametrize(("why", "descs", "expected"), CROSS_DESCRIPTORS,
+                         ids=[row[0] for row in CROSS_DESCRIPTORS])
+def test_overlap_between_descriptors(why: str, descs: list[tuple[int, ...]],
+                                     expected: tuple[int, int, int] | None) -> None:
+    """Every copy path may reorder (the CUDA batch has no order), so no byte is written twice
+    and none is both read and written in one call; sources may repeat."""
+    arena = Arena(7)
+    regions = two_regions(arena)
+    error = run_and_check(arena, regions, descs)
+    if expected is None:
+        assert error is None
+        return
+    assert error is not None
+    assert (error.code, error.descriptor_index, error.value) == expected
+    assert "no bytes were copied" in str(error) and f"descriptor {expected[2]}" in str(error)
+    with pytest.raises(KVCopyError) as info:  # the dry run reports the same
+        _native.validate(RegionTable(regions), DescriptorTable.pack(descs))
+    assert (info.value.code, info.value.descriptor_index) == expected[:2]
+
+
+FAKE_BASES = [1 << 12, (1 << 30) + 4096, 1 << 47, (1 << 62) + 64]
+FAKE_STRIDES = [64, 96, 4096, 1 << 20, 1 << 41]
+
+
+def check_validate(regions: list[Region], descs: list[tuple[int, ...]]) -> int:
+    """Dry-run through C and compare the verdict with the two reference checks."""
+    expected = reference_check(regions, descs)
+    cross = reference_overlaps(regions, descs) if expected is None else None
+    try:
+        _native.validate(RegionTable(regions), DescriptorTable.pack(descs))
+    except KVCopyError as exc:
+        if expected is not None:
+            assert (exc.code, exc.value, exc.bound) == (expected[0], expected[3], expected[4])
+        else:
+            assert cross is not None, f"refused a valid table: {exc}"
+            assert exc.code == cross[0] and (exc.descriptor_index, exc.value) in cross[1]
+        return int(exc.code)
+    assert expected is None and cross is None, f"accepted, expected {expected or cross}"
+    return Status.OK
+
+
+@given(st.data())
+def test_overlap_check_matches_the_quadratic_reference(data: st.DataObject) -> None:
+    """Many descriptors over regions far apart in the address space (validation never touches
+    the memory, so the regions are fake): the sort's paths (sorted input, 8-bit digits,
+    keys wider than 40 bits) all give the verdict of the all-pairs reference."""
+    regions = []  # region 0 is read from, the others are written (and now and then read)
+    for _ in range(data.draw(st.integers(2, 4))):
+        stride = data.draw(st.sampled_from(FAKE_STRIDES))
+        row_bytes = data.draw(st.sampled_from([1, 16, 64]))
+        regions.append(Region(data.draw(st.sampled_from(FAKE_BASES)), 40 * stride, stride,
+                              row_bytes, 40))
+    slots = [(r, row) for r in range(1, len(regions)) for row in range(40)]
+    order = data.draw(st.permutations(slots))
+    n = data.draw(st.integers(0, min(150, len(slots))))
+    descs = []
+    for i in range(n):
+        dr, drow = order[i]  # distinct destination rows ...
+        sr, srow = 0, data.draw(st.integers(0, 39))
+        size = min(regions[sr].row_bytes, regions[dr].row_bytes)
+        size = data.draw(st.sampled_from([size, max(1, size // 2)]))
+        doff = data.draw(st.sampled_from([0, regions[dr].row_bytes - size]))
+        descs.append((sr, srow, 0, dr, drow, doff, size))
+    fault = data.draw(st.sampled_from(["none", "dst", "read"])) if n > 1 else "none"
+    if fault != "none":  # ... except for one injected fault
+        i, j = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, n - 1))
+        other = descs[j]
+        if fault == "dst":
+            descs[i] = (*descs[i][:3], *other[3:5], 0, descs[i][6])
+        else:
+            descs[i] = (*other[3:5], 0, *descs[i][3:])
+    if data.draw(st.booleans()):
+        descs.sort(key=lambda d: address(regions, d[3], d[4], d[5]))  # the sorted fast path
+    event(Status(check_validate(regions, descs)).name)
+
+
+def test_wide_keys_and_long_tables_are_sorted_exactly() -> None:
+    """Destinations 2**60 bytes apart and 2000 descriptors: one late duplicate is found."""
+    regions = [Region(1 << 12, 4096 * 64, 64, 64, 4096),
+               Region(1 << 20, 1000 * (1 << 50), 1 << 50, 64, 1000),
+               Region((1 << 62) + (1 << 20), 1000 * 64, 64, 64, 1000)]
+    gen = torch.Generator().manual_seed(9)
+    rows = torch.randperm(2000, generator=gen).tolist()
+    descs = [(0, i, 0, 1 + r // 1000, r % 1000, 0, 64) for i, r in enumerate(rows)]
+    assert check_validate(regions, descs) == Status.OK
+    dup = (0, 7, 0, *descs[123][3:])
+    assert check_validate(regions, [*descs, dup]) == Status.E_DST_OVERLAP
+    reader = (2, descs[1500][4], 0, 0, 4000, 0, 64) if descs[1500][3] == 2 else \
+        (1, descs[1500][4], 0, 0, 4000, 0, 64)
+    assert check_validate(regions, [*descs, reader]) == Status.E_READS_WRITTEN
+
+
+# -- the caller's table is read once ------------------------------------------------------------
+
+def test_copy_validates_its_own_reading_of_the_table() -> None:
+    """A table that passed kvc_validate and was then rewritten is judged again by kvc_copy:
+    a validation is never trusted across calls, and nothing is copied."""
+    arena = Arena(8)
+    regions = RegionTable(two_regions(arena))
+    table = torch.tensor([[0, 3, 0, 1, 2, 0, 64], [0, 4, 0, 1, 3, 0, 64]], dtype=torch.int64)
+    descs = DescriptorTable.from_address(table.data_ptr(), 2, table)
+    _native.validate(regions, descs)
+    table[1, 6] = 1 << 20  # now larger than a row
+    before = arena.snapshot()
+    with pytest.raises(KVCopyError) as info:
+        _native.copy(regions, descs)
+    assert (info.value.code, info.value.descriptor_index) == (Status.E_SIZE, 1)
+    assert arena.snapshot() == before
+
+
+def run_child(code: str, timeout: float = 120) -> str:
+    """Run ``code`` in a fresh interpreter: a crash is a signal there, and fails here."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, (f"child exited with {proc.returncode} (negative: killed by "
+                                  f"signal {-proc.returncode})\n{proc.stdout}{proc.stderr}")
+    return proc.stdout
+
+
+def test_a_table_rewritten_during_the_copy_never_copies_part() -> None:
+    """Another thread flips the last descriptor's size between valid and too large while C
+    copies with the GIL released. Each call must either copy everything (it read the valid
+    size) or fail with KVC_E_SIZE having copied nothing (it read the bad one): a library
+    that validated one reading and copied from a second would copy all but the last block
+    and then fail, or copy a megabyte out of bounds."""
+    out = run_child("""
+        import sys, threading, time, torch
+        from kvcore import _native
+        from kvcore._native import DescriptorTable, Region, RegionTable, Status
+        from kvcore.spec.errors import KVCopyError
+        sys.setswitchinterval(1e-4)
+        n, row = 4096, 256
+        src = torch.randint(1, 256, (n, row), dtype=torch.uint8)
+        dst = torch.zeros((n, row), dtype=torch.uint8)
+        regions = RegionTable([Region(src.data_ptr(), n * row, row, row, n),
+                               Region(dst.data_ptr(), n * row, row, row, n)])
+        ids = torch.arange(n)
+        z = torch.zeros(n, dtype=torch.int64)
+        table = torch.stack([z, ids, z, z + 1, ids.flip(0), z, z + row], 1).contiguous()
+        descs = DescriptorTable.from_address(table.data_ptr(), n, table)
+        size = table[n - 1, 6:7]
+        stop = threading.Event()
+        def flip():
+            while not stop.is_set():
+                size.fill_(1 << 20)
+                size.fill_(row)
+        t = threading.Thread(target=flip)
+        t.start()
+        outcomes = {"copied": 0, "refused": 0}
+        deadline = time.monotonic() + 3.0
+        try:
+            while time.monotonic() < deadline or sum(outcomes.values()) < 20:
+                dst.zero_()
+                try:
+                    _native.copy(regions, descs)
+                except KVCopyError as exc:
+                    assert (exc.code, exc.descriptor_index) == (Status.E_SIZE, n - 1), exc
+                    assert int(dst.count_nonzero()) == 0, "a refused call copied bytes"
+                    outcomes["refused"] += 1
+                else:
+                    assert torch.equal(dst, src.flip(0)), "an accepted call copied wrong bytes"
+                    outcomes["copied"] += 1
+        finally:
+            stop.set()
+            t.join()
+        print(outcomes)
+    """)
+    assert "copied" in out
+
+
+def test_scratch_allocation_failure_is_no_memory() -> None:
+    """When the per-call scratch cannot be allocated the call fails with KVC_E_NO_MEMORY,
+    before it reads a descriptor; the same table then fails on its real fault."""
+    out = run_child("""
+        import resource
+        from kvcore import _native
+        from kvcore._native import DescriptorTable, RegionTable, Status
+        from kvcore.spec.errors import KVCopyError
+        ffi, _ = _native.load()
+        n = 1 << 21  # 2M zero descriptors: 112 MiB table, 96 MiB scratch
+        table = DescriptorTable(ffi.new("kvc_desc[]", n), n)
+        regions = RegionTable([])
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + (32 << 20), hard))
+        try:
+            _native.validate(regions, table)
+        except KVCopyError as exc:
+            first = exc
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        assert first.code == Status.E_NO_MEMORY, first
+        assert first.value == n * 48 and "scratch memory" in str(first), first
+        try:
+            _native.copy(regions, table)
+        except KVCopyError as exc:
+            assert (exc.code, exc.descriptor_index) == (Status.E_ZERO_SIZE, 0), exc
+        print("ok")
+    """)
+    assert out.strip() == "ok"

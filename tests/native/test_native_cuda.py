@@ -192,3 +192,50 @@ def test_transfer_engine_round_trip_on_cuda(method: str) -> None:
     assert torch.equal(bits[20], original[4]) and torch.equal(bits[21], original[5])
     untouched = [i for i in range(32) if i not in (20, 21)]
     assert torch.equal(bits[untouched], original[untouched])
+
+
+@needs_gpu
+def test_overlapping_descriptors_never_reach_the_device(copier: _cuda.CudaCopier,
+                                                        stream: torch.cuda.Stream) -> None:
+    """Batch and kernel have no order, so two writes of one byte (or a read of a byte the
+    call writes) are refused on the host, by every method, before anything is enqueued."""
+    host, device = pools()
+    tables = {Status.E_DST_OVERLAP: [[0, 1, 0, 1, 5, 0, ROW_BYTES], [0, 2, 0, 1, 5, 0, 64]],
+              Status.E_READS_WRITTEN: [[0, 1, 0, 1, 5, 0, ROW_BYTES],
+                                       [1, 5, 0, 0, 3, 0, ROW_BYTES]]}
+    for status, descs in tables.items():
+        for method in methods(copier):
+            with pytest.raises(KVCopyError) as info:
+                copier.copy(regions_of(host, device), DescriptorTable.pack(descs),
+                            stream.cuda_stream, method=method)
+            assert (info.value.code, info.value.descriptor_index) == (status, 1)
+    stream.synchronize()
+    assert int(device.count_nonzero()) == 0
+
+
+@needs_gpu
+def test_transfer_engine_refuses_a_freed_device_pool() -> None:
+    """Same storage rule on the CUDA path: a device pool freed with resize_(0) after
+    registration fails jobs with KVC_E_STORAGE (nothing enqueued) until it is rebound."""
+    from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
+    from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
+    from kvcore.transfer import TransferEngine
+
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 16, blocks_per_chunk=1),),
+                        hash_block_tokens=16, num_gpu_blocks=16, num_cpu_blocks=4)
+    kv = torch.randn((16, 2, 16, 8), device="cuda")
+    store = TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((3,), 0, (2,)),))
+    with TransferEngine(cfg, [[kv]]) as engine:
+        kv.untyped_storage().resize_(0)
+        torch.cuda.synchronize()
+        with pytest.raises(KVCopyError) as info:
+            engine.validate(store)
+        assert info.value.code == Status.E_STORAGE
+        engine.submit(store)
+        (result,) = engine.wait([1], timeout=60)
+        assert not result.success and result.bytes == 0
+        fresh = torch.randn((16, 2, 16, 8), device="cuda")
+        engine.rebind_gpu_tensors([[fresh]])
+        engine.submit(TransferPlan(2, JobKind.STORE, "r", (GroupTransfer((3,), 0, (2,)),)))
+        assert engine.wait([2], timeout=60)[0].success
+        assert torch.equal(engine.cpu_tensor(0, 0)[2], fresh[3].cpu().view(-1).view(torch.uint8))

@@ -20,7 +20,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvcore._native import Status
-from kvcore.spec.errors import KVCopyError
+from kvcore.spec.errors import KVCopyError, TransferArgumentError
 from kvcore.spec.plans import (
     GroupTransfer,
     JobKind,
@@ -309,11 +309,12 @@ def test_failed_job_names_the_id_and_its_bound() -> None:
 def test_wrongly_typed_ids(bad_id: object) -> None:
     engine, _tensors = make_engine((1,), layers=1)
     plan = TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((bad_id,), 0, (0,)),))  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
+    with pytest.raises(TransferArgumentError):
         engine.validate(plan)
     before = rows_of(engine.cpu_tensor(0, 0))
     result = run_job(engine, plan)
-    assert not result.success and result.bytes == 0 and "ValueError" in (result.error or "")
+    assert not result.success and result.bytes == 0
+    assert "TransferArgumentError" in (result.error or "")
     assert rows_of(engine.cpu_tensor(0, 0)) == before
     with pytest.raises(ValueError):
         engine.submit("not a plan")  # type: ignore[arg-type]
