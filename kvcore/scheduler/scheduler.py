@@ -38,13 +38,14 @@ from kvcore.spec.invariants import (
     FenceRecord,
     JobTableRecord,
     KeyRecord,
+    LoadCoverageRecord,
     LoadRecord,
     LookupRecord,
     LookupTraceRecord,
     PlanRecord,
+    Skip,
 )
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
-from kvcore.spec.store import Skip
 from kvcore.spec.types import (
     PENDING,
     GroupKind,
@@ -232,7 +233,10 @@ class OffloadScheduler:
         self._stats.chunks_loaded += len(flat)
         if self.check:
             ranges = tuple((gl.first_chunk, gl.end_chunk) for gl in loads)
+            tables = tuple(tuple(ids) for ids in block_ids)
             self._enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
+                           LoadCoverageRecord(self.config, computed_tokens, load_tokens,
+                                              tables, tuple(valid_blocks), plan),
                            PlanRecord(self.config, plan), *moves])
         return plan
 

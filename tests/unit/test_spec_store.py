@@ -1,6 +1,8 @@
 """The store plan (E1, E2): which chunks a request offers, step by step.
 
-Goal: pin ``kvcore.spec.store`` against DESIGN.md "Store": a draft group never offers its
+Goal: pin kvcore's store rule (``kvcore.scheduler._rules``) against the semantics, and
+against the reference's own walk (``kvcore.spec.model.store_walk``) and keep rule
+(``kvcore.spec.lookup.read_at_segment_end``): a draft group never offers its
 volatile chunk (E1) for any cursor and frontier; the cursor never passes a chunk that was
 not offered or skipped for a stated reason, never moves back, and a held-back chunk is
 offered once the frontier moves on (E2: no holes, across multi-step chunked prefill);
@@ -26,22 +28,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 from spec_strategies import FULL, HIT, MAMBA, MISS, SLIDING, configs, make_config
 
+from kvcore.scheduler._rules import (
+    GroupOffer,
+    chunk_reachable,
+    chunk_source_blocks,
+    group_offer,
+    keep_rule,
+    storable_prefix,
+    store_end,
+)
 from kvcore.spec.invariants import (
     CursorMoveRecord,
+    Skip,
     StoreOfferRecord,
     e1_volatile_chunk_never_offered,
     e2_cursor_leaves_no_hole,
 )
-from kvcore.spec.lookup import hit_for, needed_chunks
-from kvcore.spec.store import (
-    GroupOffer,
-    Skip,
-    chunk_reachable,
-    chunk_source_blocks,
-    group_offer,
-    storable_prefix,
-    store_end,
-)
+from kvcore.spec.lookup import hit_for, needed_chunks, read_at_segment_end
+from kvcore.spec.model import store_walk
 from kvcore.spec.types import GroupSpec, OffloadConfig, cdiv
 
 # -- driver -------------------------------------------------------------------------------
@@ -297,7 +301,8 @@ def test_window_keep_rule_keeps_what_segment_end_lookups_read(cfg: OffloadConfig
     full = GroupSpec(FULL, a * o)
     both = make_config(full, sliding, hash_block_tokens=cfg.hash_block_tokens,
                        speculative=cfg.speculative, draft_kv_elsewhere=cfg.draft_kv_elsewhere)
-    period = both.alignment_chunks(1)
+    rule = keep_rule(both, 1)
+    period = None if rule is None else rule[0]
     window = sliding.window_chunks
     assert window is not None
     first = cdiv(sliding.reach_tokens, a * o) + 2
@@ -359,11 +364,38 @@ def boundaries_stay_on_segment_ends(cfg: OffloadConfig) -> bool:
     return True
 
 
-@given(configs(store_alignment=True).filter(boundaries_stay_on_segment_ends),
-       st.integers(1, 12), st.integers(0, 3))
+def _divisors(n: int, limit: int = 4) -> list[int]:
+    return [d for d in range(1, limit + 1) if n % d == 0]
+
+
+@st.composite
+def segment_end_layouts(draw: st.DrawFn) -> OffloadConfig:
+    """Layouts with ``boundaries_stay_on_segment_ends``, built directly (no filtering).
+
+    One FULL chunk size ``A``; SLIDING chunks that divide ``A`` and are longer than one
+    token, without ``extra_retained_tokens``; MAMBA chunks that are multiples of ``A``; no
+    draft group; every chunk a multiple of the hash block size; groups in any order.
+    """
+    hbt = draw(st.sampled_from([1, 2, 4]))
+    a_tokens = hbt * draw(st.sampled_from([2, 4, 8]))
+    mamba = a_tokens * draw(st.integers(1, 2))
+    sliding_sizes = [hbt * d for d in range(1, a_tokens // hbt + 1)
+                     if a_tokens % (hbt * d) == 0 and hbt * d > 1]
+    groups = []
+    for kind in [FULL, *draw(st.lists(st.sampled_from([FULL, SLIDING, MAMBA]), max_size=3))]:
+        chunk = {FULL: a_tokens, MAMBA: mamba}.get(kind) or draw(st.sampled_from(sliding_sizes))
+        bpc = draw(st.sampled_from(_divisors(chunk)))
+        window = draw(st.integers(1, 4 * chunk)) if kind is SLIDING else None
+        groups.append(GroupSpec(kind, chunk // bpc, bpc, window_tokens=window))
+    order = draw(st.permutations(groups))
+    return make_config(*order, hash_block_tokens=hbt, store_alignment=True)
+
+
+@given(segment_end_layouts(), st.integers(1, 12), st.integers(0, 3))
 def test_chunks_skipped_as_unreachable_are_not_needed(cfg: OffloadConfig, full_chunks: int,
                                                       tail: int) -> None:
     """Round trip: store a whole prompt, look it up again; the skipped chunks are not needed."""
+    assert boundaries_stay_on_segment_ends(cfg)
     num_tokens = full_chunks * max(g.tokens_per_chunk for g in cfg.groups) + tail
     stored, with_skipped = round_trip(cfg, num_tokens)
     assert stored == with_skipped
@@ -415,3 +447,52 @@ def test_keep_rule_trade_off_is_pinned() -> None:
     groups, hash_tokens, num_tokens, observed = KEEP_RULE_TRADE_OFF
     cfg = make_config(*groups, hash_block_tokens=hash_tokens, speculative=True)
     assert round_trip(cfg, num_tokens) == observed
+
+
+# -- kvcore's rule against the reference's, computed apart ------------------------------------
+
+
+@given(configs(), st.data())
+def test_keep_rule_agrees_with_the_reference(cfg: OffloadConfig, data: st.DataObject) -> None:
+    """kvcore's periodic keep rule == the spec's segment-end reads, chunk by chunk.
+
+    Kills a kvcore ``keep_rule`` that drops the Mamba-rounded end, the ``kA - 1`` end or
+    the draft extra chunk, or keeps one chunk more (the #53951 "last W + 1" rule)."""
+    full = data.draw(st.integers(2, 6))
+    sliding = [i for i, g in enumerate(cfg.groups) if g.kind is SLIDING]
+    if not sliding:
+        cfg = make_config(*cfg.groups, GroupSpec(SLIDING, cfg.hash_block_tokens,
+                                                 window_tokens=cfg.hash_block_tokens),
+                          hash_block_tokens=cfg.hash_block_tokens,
+                          speculative=cfg.speculative,
+                          draft_kv_elsewhere=cfg.draft_kv_elsewhere,
+                          store_alignment=cfg.store_alignment)
+        sliding = [len(cfg.groups) - 1]
+    for group in sliding:
+        o = cfg.groups[group].tokens_per_chunk
+        for chunk in range(full * max(g.tokens_per_chunk for g in cfg.groups) // o + 8):
+            assert chunk_reachable(cfg, group, chunk) == read_at_segment_end(cfg, group, chunk), \
+                (group, chunk)
+
+
+@given(configs(), st.data())
+def test_offer_agrees_with_the_reference_walk(cfg: OffloadConfig, data: st.DataObject) -> None:
+    """``group_offer`` and the reference's ``store_walk`` agree for any cursor, frontier,
+    cap and table with nulls anywhere: same chunks offered, same cursor after, and every
+    chunk passed and not offered skipped with the reason the reference would give."""
+    group = data.draw(st.integers(0, len(cfg.groups) - 1))
+    g = cfg.groups[group]
+    o = g.tokens_per_chunk
+    frontier = data.draw(st.integers(0, 12 * o))
+    storable = data.draw(st.integers(0, frontier))
+    cursor = data.draw(st.integers(0, 14))
+    size = cdiv(frontier, g.tokens_per_block)
+    table = tuple(data.draw(st.lists(st.sampled_from([0, 1, 2, 3, 4]), min_size=size,
+                                     max_size=size)))
+    offer = group_offer(cfg, group, cursor, frontier, storable, table)
+    offered, after = store_walk(cfg, group, cursor, frontier, storable, table)
+    assert list(offer.offered) == offered
+    assert offer.new_cursor == after
+    bpc = g.blocks_per_chunk
+    for c, why in offer.skipped.items():
+        assert why is (Skip.NULL if 0 in table[c * bpc:(c + 1) * bpc] else Skip.UNREACHABLE)
