@@ -21,18 +21,42 @@ from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
-from kvcore.spec.errors import ConfigError, InvariantViolation, KeyNotReadyError, NotPinnedError
+from kvcore.spec.errors import (
+    ConfigError,
+    InvalidKeyError,
+    InvariantViolation,
+    KeyNotReadyError,
+    NotPinnedError,
+)
 from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
 from kvcore.spec.manager_model import (
+    MAX_CAPACITY_CHUNKS,
     ManagerEvent,
     ManagerStats,
     PrepareStoreResult,
-    check_capacity,
-    check_key_types,
 )
 from kvcore.spec.types import Key, Status
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def check_capacity(capacity: object) -> None:
+    """kvcore's own check (the reference manager has its own): a positive int in range."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
+                          "size in chunks")
+    if not 0 < capacity <= MAX_CAPACITY_CHUNKS:
+        hint = ("must be positive: the CPU tier needs room for at least one chunk"
+                if capacity <= 0 else
+                f"exceeds {MAX_CAPACITY_CHUNKS} chunks; it counts chunks, not bytes")
+        raise ConfigError("capacity", f"capacity={capacity} {hint}")
+
+
+def check_key_types(keys: Sequence[object]) -> None:
+    """Raise InvalidKeyError for the first key that is not exactly ``bytes``."""
+    bad = [k for k in keys if type(k) is not bytes]
+    if bad:
+        raise InvalidKeyError(bad[0])
 _EMPTY = PrepareStoreResult((), (), ())
 
 
