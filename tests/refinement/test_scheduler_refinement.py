@@ -320,7 +320,7 @@ def test_preset_layouts_are_valid(name: str) -> None:
     lambda cfg: OffloadScheduler(cfg, CPUOffloadManager(cfg.num_cpu_blocks), check=True)],
     ids=["model", "implementation"])
 def test_partial_chunk_is_never_stored(make: Any) -> None:
-    """Regression (found by this machine; fixed in spec.store: only whole chunks are
+    """Regression (found by this machine; fixed in the store rule: only whole chunks are
     stored). A SLIDING group (window 2 tokens, 2 one-token blocks per chunk, a 2-chunk tier).
     Request 'b' fills the tier with two chunks being written, so 'a''s first offer of
     chunks 0 and 1 gets None. Then b's store completes, the engine frees a's positions
@@ -346,7 +346,7 @@ def test_partial_chunk_is_never_stored(make: Any) -> None:
 
 
 def test_load_reads_only_stored_sub_blocks() -> None:
-    """Regression (fixed in spec.store: only whole chunks are stored). FULL chunks of 9
+    """Regression (fixed in the store rule: only whole chunks are stored). FULL chunks of 9
     one-token blocks and a SLIDING group (window 2, 4 blocks per chunk). Request A (14
     tokens) starts from a local prefix hit C = 10, so its window table is null below
     position 9. Window chunk 2 used to be stored from position 9, sub-block 0 never

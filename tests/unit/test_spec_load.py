@@ -20,7 +20,7 @@ larger one (it must succeed within the verified range or raise the named ConfigE
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from spec_strategies import FULL, HIT, MAMBA, SLIDING, configs, make_config, requests
 
@@ -203,26 +203,42 @@ def test_load_stays_inside_the_verified_range(cfg: OffloadConfig, data: st.DataO
         cfg, req.computed, hit, tuple(map(tuple, tables)), tuple(valid), record.plan)) == []
 
 
-@given(configs(), st.data())
-def test_load_agrees_with_the_reference_block_by_block(cfg: OffloadConfig,
-                                                       data: st.DataObject) -> None:
+LoadCase = tuple[OffloadConfig, int, int, int, tuple[int, ...], int]
+
+
+@st.composite
+def load_cases(draw: st.DrawFn) -> LoadCase:
+    """(config, group, C, hit, table, valid): tables with window padding, sometimes a
+    null anywhere, short or long; valid counts anywhere, mid-chunk too."""
+    cfg = draw(configs())
+    group = draw(st.integers(0, len(cfg.groups) - 1))
+    g = cfg.groups[group]
+    computed = draw(st.integers(0, 6 * g.tokens_per_chunk))
+    hit = draw(st.integers(1, 6 * g.tokens_per_chunk))
+    told = cdiv(computed + hit, g.tokens_per_block)
+    size = draw(st.sampled_from([told, told, told + 2, max(told - 1, 0)]))
+    first_real = draw(st.integers(0, size))
+    table = [0 if i < first_real else i + 1 for i in range(size)]
+    if size and draw(st.booleans()):
+        table[draw(st.integers(0, size - 1))] = 0  # a null anywhere
+    valid = draw(st.integers(0, told + 1))
+    return cfg, group, computed, hit, tuple(table), valid
+
+
+@given(load_cases())
+# Pinned: a FULL load after one valid block (the first block to fill is position 1), and
+# a window load after padding.
+@example((make_config(GroupSpec(FULL, 4)), 0, 4, 8, (1, 2, 3), 1))
+@example((make_config(GroupSpec(SLIDING, 4, window_tokens=8)), 0, 0, 32,
+          (0, 0, 0, 0, 0, 0, 7, 8), 0))
+def test_load_agrees_with_the_reference_block_by_block(case: LoadCase) -> None:
     """``group_load`` and the reference's ``load_blocks`` agree on any table: nulls
     anywhere, valid counts anywhere (mid-chunk too), tables short or long. Both load the
     same blocks from the same chunks, or both refuse with the same error class; a load
     either gives is L3-clean. Kills a ``first_unfilled`` that starts one block late, a
     ``group_load`` that stops one block short or takes the first chunk from the wrong
     position."""
-    group = data.draw(st.integers(0, len(cfg.groups) - 1))
-    g = cfg.groups[group]
-    computed = data.draw(st.integers(0, 6 * g.tokens_per_chunk))
-    hit = data.draw(st.integers(1, 6 * g.tokens_per_chunk))
-    told = cdiv(computed + hit, g.tokens_per_block)
-    size = data.draw(st.sampled_from([told, told, told + 2, max(told - 1, 0)]))
-    first_real = data.draw(st.integers(0, size))
-    table = [0 if i < first_real else i + 1 for i in range(size)]
-    if size and data.draw(st.booleans()):
-        table[data.draw(st.integers(0, size - 1))] = 0  # a null anywhere
-    valid = data.draw(st.integers(0, told + 1))
+    cfg, group, computed, hit, table, valid = case
     mine = theirs = None
     try:
         mine = group_load(cfg, group, computed, hit, table, valid)

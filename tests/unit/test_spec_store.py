@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from spec_strategies import FULL, HIT, MAMBA, MISS, SLIDING, configs, make_config
 
@@ -452,43 +452,85 @@ def test_keep_rule_trade_off_is_pinned() -> None:
 # -- kvcore's rule against the reference's, computed apart ------------------------------------
 
 
-@given(configs(), st.data())
-def test_keep_rule_agrees_with_the_reference(cfg: OffloadConfig, data: st.DataObject) -> None:
-    """kvcore's periodic keep rule == the spec's segment-end reads, chunk by chunk.
+@st.composite
+def aligned_layouts(draw: st.DrawFn) -> OffloadConfig:
+    """FULL chunk ``A = a * o`` beside one SLIDING group of chunk ``o`` (any window,
+    retention, draft flag, blocks per chunk), sometimes a MAMBA group whose chunk divides
+    ``A`` or not, sometimes alignment off: the set-ups where the keep rule is decided."""
+    hbt = draw(st.sampled_from([1, 2]))
+    o = hbt * draw(st.integers(1, 3))
+    a = draw(st.integers(2, 8))
+    bpc = draw(st.sampled_from(_divisors(o)))
+    window = draw(st.integers(1, 3 * a * o))
+    sliding = GroupSpec(SLIDING, o // bpc, bpc, window_tokens=window,
+                        is_draft=draw(st.booleans()),
+                        extra_retained_tokens=draw(st.sampled_from([0, 0, 1, o, 3 * o + 1])))
+    groups = [GroupSpec(FULL, a * o), sliding]
+    if draw(st.booleans()):
+        groups.append(GroupSpec(MAMBA, hbt * draw(st.integers(1, 2 * a))))
+    return make_config(*draw(st.permutations(groups)), hash_block_tokens=hbt,
+                       store_alignment=draw(st.sampled_from([True, True, True, False])))
+
+
+@given(aligned_layouts())
+# Pinned so the comparison never depends on what a run happens to draw: a Mamba chunk
+# (4) that rounds the N - 1 limit to kA - 4, and a draft window with retention.
+@example(make_config(GroupSpec(FULL, 8), GroupSpec(SLIDING, 1, window_tokens=2),
+                     GroupSpec(MAMBA, 4)))
+@example(make_config(GroupSpec(FULL, 12), GroupSpec(SLIDING, 2, 2, window_tokens=5,
+                                                    is_draft=True, extra_retained_tokens=5),
+                     hash_block_tokens=2))
+def test_keep_rule_agrees_with_the_reference(cfg: OffloadConfig) -> None:
+    """kvcore's periodic keep rule == the spec's segment-end reads, chunk by chunk, over
+    the first four segments and beyond.
 
     Kills a kvcore ``keep_rule`` that drops the Mamba-rounded end, the ``kA - 1`` end or
     the draft extra chunk, or keeps one chunk more (the #53951 "last W + 1" rule)."""
-    full = data.draw(st.integers(2, 6))
-    sliding = [i for i, g in enumerate(cfg.groups) if g.kind is SLIDING]
-    if not sliding:
-        cfg = make_config(*cfg.groups, GroupSpec(SLIDING, cfg.hash_block_tokens,
-                                                 window_tokens=cfg.hash_block_tokens),
-                          hash_block_tokens=cfg.hash_block_tokens,
-                          speculative=cfg.speculative,
-                          draft_kv_elsewhere=cfg.draft_kv_elsewhere,
-                          store_alignment=cfg.store_alignment)
-        sliding = [len(cfg.groups) - 1]
-    for group in sliding:
-        o = cfg.groups[group].tokens_per_chunk
-        for chunk in range(full * max(g.tokens_per_chunk for g in cfg.groups) // o + 8):
-            assert chunk_reachable(cfg, group, chunk) == read_at_segment_end(cfg, group, chunk), \
-                (group, chunk)
+    group = next(i for i, g in enumerate(cfg.groups) if g.kind is SLIDING)
+    o = cfg.groups[group].tokens_per_chunk
+    a = max(g.tokens_per_chunk for g in cfg.groups if g.kind is FULL) // o
+    for chunk in range(4 * a + 3):
+        assert chunk_reachable(cfg, group, chunk) == read_at_segment_end(cfg, group, chunk), \
+            (cfg.groups, chunk)
 
 
-@given(configs(), st.data())
-def test_offer_agrees_with_the_reference_walk(cfg: OffloadConfig, data: st.DataObject) -> None:
-    """``group_offer`` and the reference's ``store_walk`` agree for any cursor, frontier,
-    cap and table with nulls anywhere: same chunks offered, same cursor after, and every
-    chunk passed and not offered skipped with the reason the reference would give."""
-    group = data.draw(st.integers(0, len(cfg.groups) - 1))
+OfferCase = tuple[OffloadConfig, int, int, int, int, tuple[int, ...]]
+
+
+@st.composite
+def offer_cases(draw: st.DrawFn) -> OfferCase:
+    """(config, group, cursor, frontier V, storable U, table): the cursor at or near the
+    end, U often V, nulls as window padding and sometimes one stale block anywhere."""
+    cfg = draw(configs())
+    group = draw(st.integers(0, len(cfg.groups) - 1))
     g = cfg.groups[group]
     o = g.tokens_per_chunk
-    frontier = data.draw(st.integers(0, 12 * o))
-    storable = data.draw(st.integers(0, frontier))
-    cursor = data.draw(st.integers(0, 14))
+    frontier = draw(st.integers(0, 12 * o))
+    storable = draw(st.integers(0, frontier)) if draw(st.booleans()) else frontier
+    cursor = draw(st.integers(0, storable // o + 1))
     size = cdiv(frontier, g.tokens_per_block)
-    table = tuple(data.draw(st.lists(st.sampled_from([0, 1, 2, 3, 4]), min_size=size,
-                                     max_size=size)))
+    padding = draw(st.integers(0, size))
+    table = [0 if i < padding else i + 1 for i in range(size)]
+    if size and draw(st.booleans()):
+        table[draw(st.integers(0, size - 1))] = 0  # a stale block, zeroed
+    return cfg, group, cursor, frontier, storable, tuple(table)
+
+
+@given(offer_cases())
+# Pinned: padding ends mid-chunk (W24 offered chunk 0, its last block real), and a draft
+# group whose U reaches the volatile chunk.
+@example((make_config(GroupSpec(SLIDING, 2, 2, window_tokens=4)), 0, 0, 12, 12,
+          (0, 5, 6, 7, 8, 9)))
+@example((make_config(GroupSpec(FULL, 4, is_draft=True)), 0, 0, 16, 16, (1, 2, 3, 4)))
+def test_offer_agrees_with_the_reference_walk(case: OfferCase) -> None:
+    """``group_offer`` and the reference's ``store_walk`` agree for any cursor, frontier,
+    cap and table with nulls (window padding, or anywhere): same chunks offered, same
+    cursor after, and every chunk passed and not offered skipped with the reason the
+    reference would give. Kills an offer that checks only a chunk's last block for null
+    (upstream W24), a store end that lets a draft group's volatile chunk through (E1), and
+    a cursor that stops one chunk short or runs one past."""
+    cfg, group, cursor, frontier, storable, table = case
+    g = cfg.groups[group]
     offer = group_offer(cfg, group, cursor, frontier, storable, table)
     offered, after = store_walk(cfg, group, cursor, frontier, storable, table)
     assert list(offer.offered) == offered
