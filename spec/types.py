@@ -94,6 +94,10 @@ class GroupSpec:
     extra_retained_tokens: int = 0
     name: str = ""
 
+    # The derived values below are the vocabulary's definitions (o, W, R, e), facts about
+    # the type that both kvcore and the reference read, not rules: a wrong one is a spec
+    # defect, pinned by tests/unit/test_spec_config.py, which the lock step cannot see.
+
     @cached_property
     def tokens_per_chunk(self) -> int:
         return self.tokens_per_block * self.blocks_per_chunk

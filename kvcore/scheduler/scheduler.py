@@ -4,8 +4,9 @@ Hook order per engine step: ``lookup`` for each waiting request (tokens it may l
 PENDING), ``after_alloc`` once its GPU blocks exist (queues the load job), ``build_step``
 at the end of scheduling (stores, and jobs the workers must wait for first), then
 ``worker_output`` with the workers' reports. ``request_finished`` and ``reset`` end things.
-Every rule is the spec's; this class keeps the state incremental and, with checks on,
-hands each hook's records to ``kvcore.spec.invariants``.
+The rules are kvcore's own (``_rules``, ``_lookup``), written apart from the spec's
+reference model; this class keeps the state incremental and, with checks on, hands each
+hook's records to ``kvcore.spec.invariants``.
 """
 
 from __future__ import annotations
