@@ -27,8 +27,8 @@ from kvcore.scheduler import (
 from kvcore.scheduler import scheduler as _sched
 from kvcore.scheduler._rules import GroupOffer
 from kvcore.scheduler._state import JobTable
+from kvcore.spec.invariants import Skip
 from kvcore.spec.plans import GroupTransfer, TransferPlan
-from kvcore.spec.store import Skip
 from kvcore.spec.types import OffloadConfig
 
 Factory = Callable[..., OffloadScheduler]
@@ -74,10 +74,11 @@ def _cursor_jumps_hold_back(original: Any, cfg: OffloadConfig, group: int, curso
 
 def _window_keeps_w(original: Any, cfg: OffloadConfig, group: int, *args: Any) -> GroupOffer:
     offer: GroupOffer = original(cfg, group, *args)
-    a = cfg.alignment_chunks(group)
+    rule = _rules.keep_rule(cfg, group)
     g = cfg.groups[group]
-    if a is None or not g.is_draft:
+    if rule is None or not g.is_draft:
         return offer
+    a = rule[0]
     window = g.window_chunks or 1
     keep = tuple(c for c in offer.offered if c % a >= a - window)
     skipped = dict(offer.skipped)

@@ -25,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import overload
 
+from kvcore.scheduler._rules import GroupOffer, group_offer, store_end
 from kvcore.spec.invariants import (
     CursorMoveRecord,
     StoreOfferRecord,
     e1_volatile_chunk_never_offered,
     e2_cursor_leaves_no_hole,
 )
-from kvcore.spec.store import GroupOffer, group_offer, store_end
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, cdiv
 from proofs._bounded import CONFIRMED, REFUTED, Obligation, pick, small_config
 

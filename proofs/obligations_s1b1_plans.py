@@ -21,6 +21,13 @@ that, like upstream W24, checks only a chunk's last block for null and copies th
 
 from __future__ import annotations
 
+from kvcore.scheduler._rules import (
+    GroupLoad,
+    chunk_reachable,
+    chunk_source_blocks,
+    group_load,
+    group_offer,
+)
 from kvcore.spec.invariants import (
     LoadRecord,
     PlanRecord,
@@ -29,10 +36,8 @@ from kvcore.spec.invariants import (
     s1_plan_shape,
     s2_store_runs,
 )
-from kvcore.spec.load import GroupLoad, group_load
 from kvcore.spec.lookup import served_chunks
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
-from kvcore.spec.store import chunk_reachable, chunk_source_blocks, group_offer
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, cdiv, make_key
 from proofs._bounded import CONFIRMED, REFUTED, Obligation, pick, small_config
 from proofs.obligations_e1e2_store import Table

@@ -1,9 +1,10 @@
 """kvcore.spec: the executable definition of kvcore's behaviour. Standard library only.
 
 Read it top to bottom: ``types`` (config, keys, chunk arithmetic), ``plans`` (what a job
-moves), ``lookup``/``load``/``store`` (the reference semantics), ``invariants`` (one
-predicate per invariant id), and ``model`` (the reference scheduler and manager that the
-implementation is compared against).
+moves), ``lookup`` (the hit and the keep rule, by brute force), ``invariants`` (one
+predicate per invariant id), and ``model``/``manager_model`` (the reference scheduler and
+manager that the implementation is compared against; the store and load rules are
+written there, block by block, sharing no function with ``kvcore.scheduler``).
 """
 
 from kvcore.spec.errors import ConfigError, InvariantViolation, KVCopyError

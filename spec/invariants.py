@@ -9,13 +9,13 @@ so each rule has exactly one definition. ``check`` runs every predicate that app
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.spec.lookup import HitMap, served_chunks, spec_hit
+from kvcore.spec.lookup import HitMap, read_at_segment_end, served_chunks, spec_hit
 from kvcore.spec.plans import JobKind, TransferPlan, chunks_spanned
-from kvcore.spec.store import Skip, chunk_reachable
 from kvcore.spec.types import PENDING, Key, LookupResult, OffloadConfig, Status, cdiv
 
 
@@ -28,10 +28,18 @@ class Violation:
     values: dict[str, Any] = field(default_factory=dict)
 
 
-INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "J1", "J2",
+INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "L3", "J1", "J2",
                  "S1", "S2", "B1", "F1", "X1", "M1", "K1")
 
 # -- records ------------------------------------------------------------------------------
+
+
+class Skip(enum.Enum):
+    """Why a store cursor may pass a chunk without offering it (E2's stated reasons)."""
+
+    NULL = "null"
+    UNREACHABLE = "unreachable"
+    HIT = "hit"
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,23 @@ class LoadRecord:
     computed: int
     hit: int
     chunk_ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class LoadCoverageRecord:
+    """A load plan beside the block tables and valid counts it was built from (L3).
+
+    ``tables`` is each group's whole block table as the engine passed it (0 = null) and
+    ``valid_blocks`` how many leading blocks already held valid KV; ``computed + hit`` is
+    the boundary the request is told it holds after the load.
+    """
+
+    config: OffloadConfig
+    computed: int
+    hit: int
+    tables: tuple[tuple[int, ...], ...]
+    valid_blocks: tuple[int, ...]
+    plan: TransferPlan
 
 
 @dataclass(frozen=True)
@@ -215,7 +240,7 @@ def e2_cursor_leaves_no_hole(r: CursorMoveRecord) -> list[Violation]:
                              {"group": r.group, "holes": holes[:8]}))
     if r.config is not None:
         readable = [c for c, why in r.skipped.items()
-                    if why is Skip.UNREACHABLE and chunk_reachable(r.config, r.group, c)]
+                    if why is Skip.UNREACHABLE and read_at_segment_end(r.config, r.group, c)]
         if readable:
             out.append(Violation("E2", f"group {r.group}: chunks {readable[:8]} skipped as "
                                  "unreachable, but a lookup can read them",
@@ -298,6 +323,38 @@ def l1_load_within_verified(r: LoadRecord) -> list[Violation]:
             out.append(Violation("L1", f"group {i} loads chunks [{lo}, {hi}) outside the "
                                  f"verified range {served}",
                                  {"group": i, "range": (lo, hi), "verified": served}))
+    return out
+
+
+def l3_load_covers_every_block(r: LoadCoverageRecord) -> list[Violation]:
+    """L3: a completed load leaves no block the request is told is loaded stale.
+
+    Per group, every real (non-null) block at a position in ``[valid, cdiv(C + hit, tpb))``
+    is written by the load, with the plan's id at that position; and the load writes
+    nothing at or past that end nor over a block that was already valid. A load that skips
+    a block (the engine then computes from token ``C + hit`` over whatever the block held
+    before) passes L1 and S1 alike, since its chunk range and its shape stay consistent.
+    """
+    out: list[Violation] = []
+    boundary = r.computed + r.hit
+    for i, g in enumerate(r.config.groups):
+        gt = r.plan.groups[i] if i < len(r.plan.groups) else None
+        table, valid = r.tables[i], r.valid_blocks[i]
+        told = cdiv(boundary, g.tokens_per_block)
+        written = {} if gt is None else {gt.block_index + n: gpu_id
+                                         for n, gpu_id in enumerate(gt.gpu_block_ids)}
+        stale = [p for p in range(valid, min(told, len(table)))
+                 if table[p] != 0 and written.get(p) != table[p]]
+        outside = sorted(p for p in written if not valid <= p < told)
+        if stale:
+            out.append(Violation("L3", f"job {r.plan.job_id} group {i}: blocks at positions "
+                                 f"{stale[:8]} are told loaded (up to token {boundary}) but "
+                                 "the load does not fill them",
+                                 {"group": i, "positions": stale[:8], "boundary": boundary}))
+        if outside:
+            out.append(Violation("L3", f"job {r.plan.job_id} group {i}: the load writes "
+                                 f"positions {outside[:8]} outside [{valid}, {told})",
+                                 {"group": i, "positions": outside[:8]}))
     return out
 
 
@@ -486,6 +543,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     LookupRecord: (e4_draft_extra_chunk_hit, l1_hit_matches_spec,
                    l2_pending_exactly_when_uncertain),
     LoadRecord: (l1_load_within_verified,),
+    LoadCoverageRecord: (l3_load_covers_every_block,),
     JobTableRecord: (j1_one_kind_of_job,),
     CompletionRecord: (j2_completion_exact,),
     PlanRecord: (s1_plan_shape, s2_store_runs, b1_block_ids_in_range),

@@ -151,3 +151,38 @@ def spec_hit(cfg: OffloadConfig, computed: int, num_tokens: int, hits: HitMap,
             cfg, computed, optimistic, loading):
         return PENDING
     return optimistic
+
+
+def read_at_segment_end(cfg: OffloadConfig, group: int, chunk: int) -> bool:
+    """The spec's keep rule: False only for a SLIDING chunk no segment-end lookup reads.
+
+    With exactly one FULL chunk size ``A`` (a multiple of the group's chunk ``o``, and of
+    the MAMBA chunk if any), a fully stored prefix is found again at a *segment end*:
+    ``kA``, ``kA - 1`` (the N - 1 limit) or ``kA - 1`` rounded down to a MAMBA chunk end.
+    A SLIDING chunk is worth storing iff some lookup at such a boundary reads it
+    (``needed_chunks``, the draft extra chunk included). The rule is the same in every
+    segment, so it is decided on the chunk at the same offset of a segment far from token
+    0, where no range is clipped by the start of the request. Outside that set-up (store
+    alignment off, no single FULL chunk size, ...) every chunk is kept.
+    """
+    g = cfg.groups[group]
+    fulls = {x.tokens_per_chunk for x in cfg.groups if x.kind is GroupKind.FULL}
+    if not cfg.store_alignment or g.kind is not GroupKind.SLIDING or len(fulls) != 1:
+        return True
+    (seg,) = fulls
+    o, mamba = g.tokens_per_chunk, cfg.mamba_align_tokens
+    if seg <= o or seg % o or (mamba is not None and seg % mamba):
+        return True
+    # A chunk at the same offset, far enough from 0 that no lookup range touching it is
+    # clipped: a lookup reads at most W + cdiv(R, o) + 2 chunks behind its boundary.
+    span = (g.window_chunks or 1) + cdiv(max(g.reach_tokens, 0), o) + 2
+    far = chunk % (seg // o) + (seg // o) * (cdiv(span * o, seg) + 2)
+    for k in range(max(1, (far - 2) * o // seg), (far + span + 1) * o // seg + 3):
+        ends = {k * seg, k * seg - 1}
+        if mamba is not None:
+            ends.add((k * seg - 1) // mamba * mamba)
+        for boundary in ends:
+            rng = needed_chunks(g, boundary, 0)
+            if rng is not None and rng[0] <= far < rng[1]:
+                return True
+    return False

@@ -7,7 +7,9 @@ written to be obviously right, not fast:
 
 - keys are recomputed from the hashes on every call (``group_keys``);
 - the hit is ``spec.lookup.spec_hit`` over the full hit map read from the manager, not a
-  convergence loop; loads are ``spec.load.load_plan``; stores are ``spec.store``'s offers;
+  convergence loop; the store and load rules are this module's own (``store_walk``,
+  ``load_blocks``), decided chunk by chunk and block by block from the semantics, and
+  share no function with ``kvcore.scheduler`` (a test walks the imports to keep it so);
 - the job table is one dict; a request's jobs, the keys being loaded and the fence are
   found by scanning it; stale window blocks are found by scanning every tracked table.
 
@@ -17,7 +19,10 @@ stated here so that the implementation has a definition to match):
 - ``lookup`` rebuilds the request's block tables from the next step (the engine hands them
   over again), answers PENDING while the request has jobs (J1), 0 when it skips reading,
   else the spec's hit; it touches FULL groups' keys whole and each window group's keys
-  from ``W + e`` chunks before the boundary reached (the hit, or C when PENDING).
+  from the window's reach before the boundary reached (the hit, or C when PENDING): the
+  boundary's chunk index minus ``e`` and minus the reach in whole chunks, ``W`` or
+  ``cdiv(R, o)`` when the engine retains more (``extra_retained_tokens``), whichever is
+  more, so that every chunk a lookup at the boundary reads is touched.
 - ``after_alloc`` pins the chunks of the load and, under ``StoreLevel.BLOCK``, moves every
   cursor to ``cdiv(C + hit, o)`` (the request hit those chunks; someone stored them). The
   load is returned at once and again in the next ``build_step``.
@@ -60,6 +65,8 @@ from kvcore.spec.errors import (
     BadReportError,
     BadStepError,
     BlockIdError,
+    BlockTableError,
+    ConfigError,
     DuplicateRequestError,
     HashError,
     UnknownJobError,
@@ -80,11 +87,9 @@ from kvcore.spec.hooks import (
     check_int,
     check_request_id,
 )
-from kvcore.spec.load import load_plan
-from kvcore.spec.lookup import spec_hit
+from kvcore.spec.lookup import read_at_segment_end, served_chunks, spec_hit
 from kvcore.spec.manager_model import ReferenceManager
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
-from kvcore.spec.store import chunk_source_blocks, group_offer, storable_prefix, store_end
 from kvcore.spec.types import (
     PENDING,
     GroupKind,
@@ -156,6 +161,88 @@ class ReportLike(Protocol):
     def success(self) -> bool: ...
     @property
     def bytes(self) -> int: ...
+
+
+# -- the store and load rules, from the semantics -------------------------------------------
+
+
+def storable_tokens(cfg: OffloadConfig, frontier: int, prompt_tokens: int,
+                    request_cap: int | None) -> int:
+    """U: the write frontier V cut by every cap that applies, never below 0."""
+    caps = [frontier, cfg.max_offload_tokens, request_cap,
+            prompt_tokens if cfg.prompt_only else None]
+    return max(0, min(c for c in caps if c is not None))
+
+
+def chunk_ready(cfg: OffloadConfig, group: int, chunk: int, frontier: int,
+                storable: int) -> bool:
+    """May ``chunk`` be stored this step? Every token of it lies below U, and for a draft
+    group the next chunk is written too (the chunk at the frontier is the drafter's, E1)."""
+    o = cfg.groups[group].tokens_per_chunk
+    chunk_end = (chunk + 1) * o
+    if chunk_end > storable:
+        return False
+    return not cfg.groups[group].is_draft or chunk_end + o <= frontier
+
+
+def store_walk(cfg: OffloadConfig, group: int, cursor: int, frontier: int, storable: int,
+               table: Sequence[int]) -> tuple[list[int], int]:
+    """(chunks offered, cursor after): walk from the cursor over every ready chunk.
+
+    A ready chunk is offered when all its GPU blocks are real (a null one was freed by
+    the window or zeroed as stale; only whole chunks are stored) and a segment-end lookup
+    reads it; otherwise it is passed with a reason. The walk stops at the first chunk
+    that is not ready, so nothing after a held-back chunk is passed (no holes).
+    """
+    bpc = cfg.groups[group].blocks_per_chunk
+    offered: list[int] = []
+    chunk = cursor
+    while chunk_ready(cfg, group, chunk, frontier, storable):
+        blocks = table[chunk * bpc:(chunk + 1) * bpc]
+        if len(blocks) < bpc:
+            raise ValueError(f"group {group}: block table has {len(table)} blocks, chunk "
+                             f"{chunk} needs {(chunk + 1) * bpc}; pass every allocated block")
+        if all(blocks) and read_at_segment_end(cfg, group, chunk):
+            offered.append(chunk)
+        chunk += 1
+    return offered, chunk
+
+
+def load_blocks(cfg: OffloadConfig, group: int, computed: int, hit: int,
+                table: Sequence[int], valid: int) -> tuple[int, int, int, tuple[int, ...]]:
+    """(first chunk, end chunk, block_index, GPU ids) of one group's load, block by block.
+
+    The request is told it holds ``C + hit`` tokens, so every block position below
+    ``cdiv(C + hit, tokens_per_block)`` must hold KV afterwards: one already valid is
+    left alone, a null one before any real one is window padding (the engine keeps no
+    block there), every other one is filled from the chunk containing it. A null after
+    a real one, a table too short, or a chunk outside what the lookup verified is an error.
+    """
+    g = cfg.groups[group]
+    boundary = computed + hit
+    told = cdiv(boundary, g.tokens_per_block)
+    if len(table) < told:
+        raise BlockTableError(f"group {group}: {len(table)} blocks in the table, the load "
+                              f"up to token {boundary} needs {told}")
+    fill: list[int] = []
+    for pos in range(valid, told):
+        if table[pos] != 0:
+            fill.append(pos)
+        elif fill:
+            raise BlockTableError(f"group {group}: null block at position {pos}, after "
+                                  f"position {fill[0]} that the load fills")
+    if not fill:
+        return 0, 0, 0, ()
+    verified = served_chunks(g, boundary, computed)
+    for pos in fill:
+        chunk = pos // g.blocks_per_chunk
+        if verified is None or not verified[0] <= chunk < verified[1]:
+            raise ConfigError(f"groups[{group}].extra_retained_tokens",
+                              f"group {group} would load chunk {chunk} at position {pos}, "
+                              f"outside the chunks {verified} the lookup verified; set "
+                              "extra_retained_tokens if the engine keeps more of the window")
+    first, last = fill[0] // g.blocks_per_chunk, fill[-1] // g.blocks_per_chunk
+    return first, last + 1, fill[0], tuple(table[pos] for pos in fill)
 
 
 # -- state --------------------------------------------------------------------------------
@@ -284,14 +371,19 @@ class ReferenceScheduler:
         return result
 
     def _touch(self, keys: list[list[Key]], boundary: int) -> None:
-        """FULL groups: every key. Window groups: from ``W + e`` chunks before the boundary."""
+        """FULL groups: every key. Window groups: from the window's reach before the boundary.
+
+        The reach is R tokens (``W`` chunks at least) rounded out to whole chunks, plus the
+        draft extra chunk, so no chunk a lookup at the boundary reads is left untouched.
+        """
         for group, g in enumerate(self.config.groups):
             if g.kind is GroupKind.FULL:
                 self.manager.touch(keys[group])
-            else:
-                reach = (g.window_chunks or 1) + g.extra_chunks
-                start = max(0, boundary // g.tokens_per_chunk - reach)
-                self.manager.touch(keys[group][start:])
+                continue
+            o = g.tokens_per_chunk
+            reach_tokens = max((g.window_chunks or 1) * o, g.reach_tokens)
+            start = boundary // o - cdiv(reach_tokens, o) - g.extra_chunks
+            self.manager.touch(keys[group][max(0, start):])
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -301,6 +393,7 @@ class ReferenceScheduler:
         """The load of ``load_tokens`` into the engine's block tables, queued for the step."""
         req = self._check_alloc(request_id, block_ids, valid_blocks, computed_tokens,
                                 load_tokens)
+        n = len(self.config.groups)
         if load_tokens == 0:
             req.looked_up = None
             return None
@@ -313,19 +406,20 @@ class ReferenceScheduler:
                 f"0 or the hit of request {request_id!r}'s latest lookup "
                 f"(computed_tokens, hit) = {req.looked_up}",
                 "pass the number lookup() returned, with the same computed_tokens, once")
-        loads = load_plan(self.config, computed_tokens, load_tokens, block_ids, valid_blocks)
+        loads = [load_blocks(self.config, g, computed_tokens, load_tokens, block_ids[g],
+                             valid_blocks[g]) for g in range(n)]
         keys = self._keys(req)
-        for g, gl in enumerate(loads):
-            if gl.end_chunk > len(keys[g]):
+        for g, (_, end_chunk, _, _) in enumerate(loads):
+            if end_chunk > len(keys[g]):
                 raise BadStepError(f"request {request_id!r}: loading up to token "
-                                   f"{computed_tokens + load_tokens} needs {gl.end_chunk} "
+                                   f"{computed_tokens + load_tokens} needs {end_chunk} "
                                    f"chunks of group {g}, but its hashes give {len(keys[g])}")
-        chosen = [tuple(keys[g][gl.first_chunk:gl.end_chunk]) for g, gl in enumerate(loads)]
+        chosen = [tuple(keys[g][first:end]) for g, (first, end, _, _) in enumerate(loads)]
         slots = list(self.manager.prepare_load([k for ks in chosen for k in ks]))
         groups = []
-        for g, gl in enumerate(loads):
+        for g, (_, _, block_index, ids) in enumerate(loads):
             taken, slots = tuple(slots[:len(chosen[g])]), slots[len(chosen[g]):]
-            groups.append(GroupTransfer(gl.gpu_block_ids, gl.block_index, taken, chosen[g]))
+            groups.append(GroupTransfer(ids, block_index, taken, chosen[g]))
         plan = TransferPlan(self._new_job_id(), JobKind.LOAD, request_id, tuple(groups))
         self.jobs[plan.job_id] = _Job(plan)
         req.looked_up = None
@@ -443,12 +537,14 @@ class ReferenceScheduler:
             if sr.request_id in step.preempted or self._load_in_flight(sr.request_id):
                 continue
             frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
-            storable = storable_prefix(self.config, frontier, req.prompt_tokens,
+            storable = storable_tokens(self.config, frontier, req.prompt_tokens,
                                        req.max_offload_tokens)
             for g, spec in enumerate(self.config.groups):
                 kept = 0 if sr.resumed else len(req.tables[g])
                 have = kept + (len(sr.new_block_ids[g]) if sr.new_block_ids else 0)
-                end = store_end(self.config, g, frontier, storable)
+                end = req.cursors[g]
+                while chunk_ready(self.config, g, end, frontier, storable):
+                    end += 1
                 if end > req.cursors[g] and have < end * spec.blocks_per_chunk:
                     raise BadStepError(f"request {sr.request_id!r}: group {g} has {have} "
                                        f"blocks but storing up to token {frontier} needs "
@@ -480,31 +576,31 @@ class ReferenceScheduler:
             return None
         cfg = self.config
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
-        storable = storable_prefix(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
-        offers = [group_offer(cfg, g, req.cursors[g], frontier, storable, req.tables[g])
-                  for g in range(len(cfg.groups))]
+        storable = storable_tokens(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
+        walks = [store_walk(cfg, g, req.cursors[g], frontier, storable, req.tables[g])
+                 for g in range(len(cfg.groups))]
         keys = self._keys(req)
-        offered = [keys[g][c] for g, offer in enumerate(offers) for c in offer.offered]
+        offered = [keys[g][c] for g, (chunks, _) in enumerate(walks) for c in chunks]
         out = self.manager.prepare_store(offered) if offered else None
         if offered and out is None:
             self._stats.store_skipped_no_room += 1
             return None
-        for g, offer in enumerate(offers):
-            req.cursors[g] = max(req.cursors[g], offer.new_cursor)
+        for g, (_, cursor) in enumerate(walks):
+            req.cursors[g] = max(req.cursors[g], cursor)
         if out is None or not out.keys_to_store:
             return None
         accepted = dict(zip(out.keys_to_store, out.slots, strict=True))
         groups: list[GroupTransfer] = []
         window_ids: set[int] = set()
         other_ids: set[int] = set()
-        for g, offer in enumerate(offers):
-            chunks = [c for c in offer.offered if keys[g][c] in accepted]
-            runs = [chunk_source_blocks(req.tables[g], c, cfg.groups[g].blocks_per_chunk)
-                    for c in chunks]
-            ids = tuple(i for _, run in runs for i in run)
+        for g, (chunks_offered, _) in enumerate(walks):
+            bpc = cfg.groups[g].blocks_per_chunk
+            chunks = [c for c in chunks_offered if keys[g][c] in accepted]
+            # Whole chunks only: chunk c is GPU positions c * bpc .. c * bpc + bpc - 1.
+            ids = tuple(req.tables[g][c * bpc + j] for c in chunks for j in range(bpc))
             sources = other_ids if cfg.groups[g].kind is GroupKind.FULL else window_ids
             sources.update(ids)
-            groups.append(GroupTransfer(ids, runs[0][0] if runs else 0,
+            groups.append(GroupTransfer(ids, chunks[0] * bpc if chunks else 0,
                                         tuple(accepted[keys[g][c]] for c in chunks),
                                         tuple(keys[g][c] for c in chunks)))
         plan = TransferPlan(self._new_job_id(), JobKind.STORE, request_id, tuple(groups))
@@ -519,7 +615,13 @@ class ReferenceScheduler:
     # -- completions ---------------------------------------------------------------------
 
     def worker_output(self, reports: Iterable[ReportLike]) -> OutputResult:
-        """Count reports; settle each job when all ``num_workers`` have reported it."""
+        """Count reports; settle each job when all ``num_workers`` have reported it.
+
+        Two passes: tally every counted report (reporters, failure, bytes), noting the
+        report at which each job reached ``num_workers``; then settle the jobs in that
+        order. Settling touches only the manager and the settled job, never a tally, so
+        this is the same as settling each job the moment its last report is counted.
+        """
         if isinstance(reports, str | bytes) or not isinstance(reports, Iterable):
             raise ArgumentTypeError("worker_output", "reports", reports,
                                     "an iterable of WorkerReport", "pass a list of reports")
@@ -528,62 +630,71 @@ class ReferenceScheduler:
             if not isinstance(r, WorkerReport):
                 raise ArgumentTypeError("worker_output", f"reports[{i}]", r, "WorkerReport",
                                         "build each report with kvcore.WorkerReport")
-        fresh = self._validate_reports(batch)
-        completed: list[int] = []
-        finished: list[str] = []
-        failed_loads: list[LoadFailure] = []
-        failed_stores: list[int] = []
-        for r in fresh:
+        counted = self._counted_reports(batch)
+        settle_order: list[int] = []
+        for r in counted:
             job = self.jobs[r.job_id]
             job.reporters.add(r.worker)
-            job.failed = job.failed or not r.success
-            if job.plan.kind is JobKind.LOAD:
-                self._stats.bytes_loaded += r.bytes
-            else:
+            if not r.success:
+                job.failed = True
+            if job.plan.kind is JobKind.STORE:
                 self._stats.bytes_stored += r.bytes
-            if len(job.reporters) < self.config.num_workers:
-                continue
-            completed.append(r.job_id)
-            plan = job.plan
-            del self.jobs[r.job_id]
-            if plan.kind is JobKind.STORE:
-                self.manager.complete_store(list(plan.keys), success=not job.failed)
-                if job.failed:
-                    failed_stores.append(plan.job_id)
-                    self._stats.failed_stores += 1
             else:
-                self.manager.complete_load(list(plan.keys))
-                if job.failed:
-                    failed_loads.append(LoadFailure(plan.request_id, plan.job_id, tuple(
-                        g.gpu_block_ids for g in plan.groups)))
-                    self._stats.failed_loads += 1
-                else:
-                    finished.append(plan.request_id)
-            req = self.requests.get(plan.request_id)
-            if req is not None and req.finished and not self._jobs_of(plan.request_id):
-                del self.requests[plan.request_id]
-        return OutputResult(tuple(completed), tuple(finished), tuple(failed_loads),
-                            tuple(failed_stores))
+                self._stats.bytes_loaded += r.bytes
+            if len(job.reporters) == self.config.num_workers:
+                settle_order.append(r.job_id)
+        settled = [self.jobs.pop(job_id) for job_id in settle_order]
+        for job in settled:
+            self._settle(job)
+        for request_id in {job.plan.request_id for job in settled}:
+            req = self.requests.get(request_id)
+            if req is not None and req.finished and not self._jobs_of(request_id):
+                del self.requests[request_id]
+        return OutputResult(
+            tuple(settle_order),
+            tuple(j.plan.request_id for j in settled
+                  if j.plan.kind is JobKind.LOAD and not j.failed),
+            tuple(LoadFailure(j.plan.request_id, j.plan.job_id,
+                              tuple(g.gpu_block_ids for g in j.plan.groups))
+                  for j in settled if j.plan.kind is JobKind.LOAD and j.failed),
+            tuple(j.plan.job_id for j in settled if j.plan.kind is JobKind.STORE and j.failed))
 
-    def _validate_reports(self, reports: list[ReportLike]) -> list[ReportLike]:
-        """The reports that count, in order; raises on the first bad one, changing nothing."""
-        seen: set[tuple[int, int]] = set()
-        fresh: list[ReportLike] = []
-        for r in reports:
-            if r.job_id < self.stale_below:
-                continue
-            job = self.jobs.get(r.job_id)
-            if job is None:
-                raise UnknownJobError(f"job {r.job_id} is not in flight (never issued, or "
-                                      "already completed)")
-            if not 0 <= r.worker < self.config.num_workers:
-                raise BadReportError(f"job {r.job_id}: worker {r.worker} outside "
-                                     f"0..{self.config.num_workers - 1} (num_workers)")
-            if r.worker in job.reporters or (r.job_id, r.worker) in seen:
-                raise BadReportError(f"job {r.job_id}: worker {r.worker} reported twice")
-            seen.add((r.job_id, r.worker))
-            fresh.append(r)
-        return fresh
+    def _settle(self, job: _Job) -> None:
+        """One job done: the manager learns it once, with exactly the job's keys (J2)."""
+        keys = list(job.plan.keys)
+        if job.plan.kind is JobKind.LOAD:
+            self.manager.complete_load(keys)
+            self._stats.failed_loads += job.failed
+        else:
+            self.manager.complete_store(keys, success=not job.failed)
+            self._stats.failed_stores += job.failed
+
+    def _counted_reports(self, reports: list[ReportLike]) -> list[ReportLike]:
+        """The reports that count: all but those for jobs before the last ``reset``.
+
+        Each is judged against the job table and the reports before it in the batch; the
+        first bad one raises (nothing has changed yet).
+        """
+        live = [r for r in reports if r.job_id >= self.stale_below]
+        for n, r in enumerate(live):
+            problem = self._report_problem(r, live[:n])
+            if problem is not None:
+                raise problem
+        return live
+
+    def _report_problem(self, r: ReportLike, earlier: list[ReportLike]) -> Exception | None:
+        """What is wrong with one report, by precedence: its job, its worker, a repeat."""
+        job = self.jobs.get(r.job_id)
+        if job is None:
+            return UnknownJobError(f"job {r.job_id} is not in flight (never issued, or "
+                                   "already completed)")
+        if not 0 <= r.worker < self.config.num_workers:
+            return BadReportError(f"job {r.job_id}: worker {r.worker} outside "
+                                  f"0..{self.config.num_workers - 1} (num_workers)")
+        repeated = any((e.job_id, e.worker) == (r.job_id, r.worker) for e in earlier)
+        if repeated or r.worker in job.reporters:
+            return BadReportError(f"job {r.job_id}: worker {r.worker} reported twice")
+        return None
 
     # -- endings -------------------------------------------------------------------------
 

@@ -122,6 +122,10 @@ class GroupSpec:
     extra_retained_tokens: int = 0
     name: str = ""
 
+    # The derived values below are the vocabulary's definitions (o, W, R, e), facts about
+    # the type that both kvcore and the reference read, not rules: a wrong one is a spec
+    # defect, pinned by tests/unit/test_spec_config.py, which the lock step cannot see.
+
     @cached_property
     def tokens_per_chunk(self) -> int:
         return self.tokens_per_block * self.blocks_per_chunk
@@ -185,7 +189,11 @@ class OffloadConfig:
     # -- derived quantities (pure, recomputed; cheap) --------------------------------
 
     # Derived values are cached on first use: the config is frozen, and the store and
-    # lookup rules ask for them on every step.
+    # lookup rules ask for them on every step. Only type-level facts live here, values
+    # the vocabulary defines (W, R, e, the shared MAMBA chunk size), never a rule: the
+    # store keep rule, say, is kvcore's in ``kvcore.scheduler._rules`` and the spec's
+    # in ``kvcore.spec.lookup.read_at_segment_end``, written apart so the lock step
+    # compares two computations.
 
     @cached_property
     def has_window_groups(self) -> bool:
@@ -199,71 +207,6 @@ class OffloadConfig:
 
     def hashes_per_chunk(self, group: int) -> int:
         return self.groups[group].tokens_per_chunk // self.hash_block_tokens
-
-    def alignment_chunks(self, group: int) -> int | None:
-        """a: the store-skip period of a SLIDING group, or None when every chunk is kept.
-
-        With exactly one full-attention chunk size A, a fully stored prefix is found again
-        at a segment end (a multiple of A, or one token before it under the N - 1 limit),
-        so inside each segment of ``a = A / o`` chunks only those a lookup at such a
-        boundary reads are worth storing (``kept_offsets``).
-        """
-        rule = self._alignment[group]
-        return None if rule is None else rule[0]
-
-    def kept_offsets(self, group: int) -> KeptOffsets | None:
-        """Chunk offsets within a segment that the keep rule stores (None: all of them)."""
-        rule = self._alignment[group]
-        return None if rule is None else rule[1]
-
-    @cached_property
-    def _alignment(self) -> tuple[tuple[int, KeptOffsets] | None, ...]:
-        return tuple(self._compute_alignment(i) for i in range(len(self.groups)))
-
-    def _compute_alignment(self, group: int) -> tuple[int, KeptOffsets] | None:
-        """The keep rule, derived from the lookup rule itself (``needed_chunks``).
-
-        The kept offsets are the chunks a lookup needs at ``kA - 1``, ``kA`` and (with
-        Mamba groups) ``kA - 1`` rounded down to a Mamba chunk end, for a segment far
-        enough from 0 that nothing is clipped; they repeat every segment.
-        It is off when MAMBA state exists only at ends that are not segment ends.
-        Each needed range becomes one or two spans modulo ``a``, so the cost is the same
-        for a 128-token window and a 16M-token one (no loop over the window's chunks).
-        """
-        from kvcore.spec.lookup import needed_chunks  # lookup imports this module
-
-        g = self.groups[group]
-        if not self.store_alignment or g.kind is not GroupKind.SLIDING:
-            return None
-        full_sizes = {x.tokens_per_chunk for x in self.groups if x.kind is GroupKind.FULL}
-        if len(full_sizes) != 1:
-            return None
-        (a_tokens,) = full_sizes
-        o = g.tokens_per_chunk
-        mamba = self.mamba_align_tokens
-        if a_tokens <= o or a_tokens % o != 0 or (mamba is not None and a_tokens % mamba):
-            return None
-        a = a_tokens // o
-        k = cdiv(g.reach_tokens, a_tokens) + 2
-        ends = [k * a_tokens - 1, k * a_tokens]
-        if mamba is not None:
-            # Under the N - 1 limit, Mamba rounds the boundary down to its own chunk end.
-            ends.append(ends[0] - ends[0] % mamba)
-        spans: list[tuple[int, int]] = []
-        for boundary in ends:
-            rng = needed_chunks(g, boundary, 0)
-            if rng is None:
-                continue
-            lo, hi = rng
-            if hi - lo >= a:
-                return None  # this range alone covers every offset
-            start = lo % a
-            stop = start + (hi - lo)
-            spans.extend([(start, stop)] if stop <= a else [(start, a), (0, stop - a)])
-        kept = KeptOffsets.of(a, spans)
-        if len(kept) >= a:
-            return None
-        return a, kept
 
 
 # The manager's event buffer holds at most ``max_pending_events`` keys' events (one

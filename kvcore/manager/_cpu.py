@@ -21,14 +21,19 @@ from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
-from kvcore.spec.errors import ConfigError, InvariantViolation, KeyNotReadyError, NotPinnedError
+from kvcore.spec.errors import (
+    ConfigError,
+    InvariantViolation,
+    KeyNotReadyError,
+    NotPinnedError,
+)
 from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
 from kvcore.spec.manager_model import (
+    MAX_CAPACITY_CHUNKS,
     MAX_KEY_BYTES,
     ManagerEvent,
     ManagerStats,
     PrepareStoreResult,
-    check_capacity,
     check_key,
     check_keys,
     check_success,
@@ -36,6 +41,22 @@ from kvcore.spec.manager_model import (
 from kvcore.spec.types import DEFAULT_MAX_PENDING_EVENTS, Key, Status, check_pending_events
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def check_capacity(capacity: object) -> None:
+    """kvcore's own check (the reference manager has its own): a positive int in range."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
+                          "size in chunks")
+    if not 0 < capacity <= MAX_CAPACITY_CHUNKS:
+        hint = ("must be positive: the CPU tier needs room for at least one chunk"
+                if capacity <= 0 else
+                f"exceeds {MAX_CAPACITY_CHUNKS} chunks; it counts chunks, not bytes")
+        raise ConfigError("capacity", f"capacity={capacity} {hint}")
+
+
+
+
 _EMPTY = PrepareStoreResult((), (), ())
 
 

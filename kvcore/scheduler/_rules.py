@@ -19,12 +19,20 @@ verified (L1), else the table and the config disagree and that is an error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcore.spec.errors import BlockTableError, ConfigError
-from kvcore.spec.store import Skip
-from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, assert_int, cdiv
+from kvcore.spec.invariants import Skip
+from kvcore.spec.types import (
+    GroupKind,
+    GroupSpec,
+    KeptOffsets,
+    OffloadConfig,
+    assert_int,
+    cdiv,
+)
 
 # -- lookup ranges ----------------------------------------------------------------------
 
@@ -110,19 +118,66 @@ def store_end(cfg: OffloadConfig, group: int, frontier: int, storable: int) -> i
 def chunk_reachable(cfg: OffloadConfig, group: int, chunk: int) -> bool:
     """False for a SLIDING chunk no lookup at a segment end can read.
 
-    The kept chunks are derived from the lookup rule (``OffloadConfig.kept_offsets``):
-    for a draft group they include the first chunk of the next segment (its extra chunk),
-    and for an engine that keeps ``extra_retained_tokens`` they reach further back.
-    Keeping "the segment's last W + 1" instead, as upstream's fix for #53951 does,
-    stores a chunk no lookup reads and never the extra chunk a draft lookup needs.
-    The trade-off is deliberate: a hit is rounded down to a segment end, so a request
-    whose draft tail keeps the last segment end out of reach is served one segment less.
+    The kept chunks are derived from the lookup rule (``keep_rule``): for a draft group
+    they include the first chunk of the next segment (its extra chunk), and for an engine
+    that keeps ``extra_retained_tokens`` they reach further back. Keeping "the segment's
+    last W + 1" instead, as upstream's fix for #53951 does, stores a chunk no lookup reads
+    and never the extra chunk a draft lookup needs. The trade-off is deliberate: a hit is
+    rounded down to a segment end, so a request whose draft tail keeps the last segment
+    end out of reach is served one segment less.
     """
-    a = cfg.alignment_chunks(group)
-    kept = cfg.kept_offsets(group)
-    if a is None or kept is None:
-        return True
-    return chunk % a in kept
+    rule = keep_rule(cfg, group)
+    return rule is None or chunk % rule[0] in rule[1]
+
+
+@functools.lru_cache(maxsize=256)
+def keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None:
+    """(a, kept offsets): the store-skip period of a SLIDING group and what it keeps.
+
+    With exactly one full-attention chunk size A, a fully stored prefix is found again at
+    a segment end (a multiple of A, or one token before it under the N - 1 limit), so
+    inside each segment of ``a = A / o`` chunks only those a lookup at such a boundary
+    reads are worth storing: the chunks ``needed_chunks`` names at ``kA - 1``, ``kA`` and
+    (with Mamba groups) ``kA - 1`` rounded down to a Mamba chunk end, for a segment far
+    enough from 0 that nothing is clipped; they repeat every segment. None (keep every
+    chunk) when alignment is off, when MAMBA state exists only at ends that are not
+    segment ends, or when the kept offsets fill the segment. Cached: the config is frozen
+    and hashable, and the store asks on every step.
+    """
+    g = cfg.groups[group]
+    if not cfg.store_alignment or g.kind is not GroupKind.SLIDING:
+        return None
+    full_sizes = {x.tokens_per_chunk for x in cfg.groups if x.kind is GroupKind.FULL}
+    if len(full_sizes) != 1:
+        return None
+    (a_tokens,) = full_sizes
+    o = g.tokens_per_chunk
+    mamba = cfg.mamba_align_tokens
+    if a_tokens <= o or a_tokens % o != 0 or (mamba is not None and a_tokens % mamba):
+        return None
+    a = a_tokens // o
+    k = cdiv(g.reach_tokens, a_tokens) + 2
+    ends = [k * a_tokens - 1, k * a_tokens]
+    if mamba is not None:
+        # Under the N - 1 limit, Mamba rounds the boundary down to its own chunk end.
+        ends.append(ends[0] - ends[0] % mamba)
+    # Each needed range becomes one or two spans modulo ``a``, so the cost is the same for
+    # a 128-token window and a 16M-token one (no loop over the window's chunks).
+    spans: list[tuple[int, int]] = []
+    for boundary in ends:
+        rng = needed_chunks(g, boundary, 0)
+        if rng is None:
+            continue
+        lo, hi = rng
+        if hi - lo >= a:
+            return None  # this range alone covers every offset
+        start = lo % a
+        stop = start + (hi - lo)
+        spans.extend([(start, stop)] if stop <= a else [(start, a), (0, stop - a)])
+    kept = KeptOffsets.of(a, spans)
+    if len(kept) >= a:
+        return None
+    return a, kept
 
 
 def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, storable: int,
@@ -132,6 +187,7 @@ def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, stor
     if end <= cursor:
         return GroupOffer(cursor, cursor)
     bpc = cfg.groups[group].blocks_per_chunk
+    rule = keep_rule(cfg, group)
     offered: list[int] = []
     skipped: dict[int, Skip] = {}
     for chunk in range(cursor, end):
@@ -144,7 +200,7 @@ def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, stor
             # window, or a stale block that was zeroed) would leave CPU bytes unwritten
             # that a later load starting mid-chunk reads.
             skipped[chunk] = Skip.NULL
-        elif not chunk_reachable(cfg, group, chunk):
+        elif rule is not None and chunk % rule[0] not in rule[1]:
             skipped[chunk] = Skip.UNREACHABLE
         else:
             offered.append(chunk)

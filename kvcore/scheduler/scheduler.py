@@ -4,8 +4,9 @@ Hook order per engine step: ``lookup`` for each waiting request (tokens it may l
 PENDING), ``after_alloc`` once its GPU blocks exist (queues the load job), ``build_step``
 at the end of scheduling (stores, and jobs the workers must wait for first), then
 ``worker_output`` with the workers' reports. ``request_finished`` and ``reset`` end things.
-Every rule is the spec's; this class keeps the state incremental and, with checks on,
-hands each hook's records to ``kvcore.spec.invariants``.
+The rules are kvcore's own (``_rules``, ``_lookup``), written apart from the spec's
+reference model; this class keeps the state incremental and, with checks on, hands each
+hook's records to ``kvcore.spec.invariants``.
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ from kvcore.spec.invariants import (
     FenceRecord,
     JobTableRecord,
     KeyRecord,
+    LoadCoverageRecord,
     LoadRecord,
     LookupRecord,
     LookupTraceRecord,
     PlanRecord,
+    Skip,
 )
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
-from kvcore.spec.store import Skip
 from kvcore.spec.types import (
     PENDING,
     GroupKind,
@@ -274,7 +276,10 @@ class OffloadScheduler:
         self._stats.chunks_loaded += len(flat)
         if self.check:
             ranges = tuple((gl.first_chunk, gl.end_chunk) for gl in loads)
+            tables = tuple(tuple(ids) for ids in block_ids)
             self._enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
+                           LoadCoverageRecord(self.config, computed_tokens, load_tokens,
+                                              tables, tuple(valid_blocks), plan),
                            PlanRecord(self.config, plan), *moves])
         return plan
 

@@ -20,7 +20,8 @@ The ``Witness`` checks safety from the engine's side, without trusting the sched
 own records: a store reads only blocks that still hold the chunk it stores (owner check,
 against stale window blocks) and whose KV the step writes; a draft group's volatile
 chunk is never stored (E1); a block handed out again is never the source of a store that
-has not been waited on (F1); loads fill blocks the request owns; a job completes exactly
+has not been waited on (F1); loads fill blocks the request owns, and every block below
+the boundary the request is told it holds that is not yet valid (L3); a job completes exactly
 when all workers have reported it (J2); a load reads only CPU sub-blocks that the
 completed store of its key wrote (integrity, at the granularity of sub-blocks).
 """
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.scheduler import RequestInfo, ScheduledRequest, StepInput, WorkerReport
+from kvcore.spec.invariants import LoadCoverageRecord, l3_load_covers_every_block
 from kvcore.spec.plans import JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import GroupKind, OffloadConfig, cdiv, group_keys
 
@@ -224,6 +226,7 @@ class Engine:
             req.state, req.computed = "running", computed
             return result
         self._check_load(req, plan)
+        self._check_coverage(plan, tables, valid, computed, result)
         req.state, req.load_job, req.load_from, req.load_to = "loading", plan.job_id, \
             computed, boundary
         self._issue(plan)
@@ -428,6 +431,14 @@ class Engine:
                 if self.owner.get(gpu_id) != (req.rid, group, gt.block_index + i):
                     raise WitnessError(f"load {plan.job_id} fills GPU block {gpu_id} owned "
                                        f"by {self.owner.get(gpu_id)}")
+
+    def _check_coverage(self, plan: TransferPlan, tables: tuple[tuple[int, ...], ...],
+                        valid: list[int], computed: int, hit: int) -> None:
+        """L3 from the engine's own inputs: the load fills every block it is told is loaded."""
+        violations = l3_load_covers_every_block(LoadCoverageRecord(
+            self.config, computed, hit, tables, tuple(valid), plan))
+        if violations:
+            raise WitnessError(f"L3: {violations[0].message}")
 
     def _check_step(self, step: StepInput, plan: Any) -> None:
         if list(plan.loads) != self.queued_loads:

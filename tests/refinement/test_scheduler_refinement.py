@@ -20,8 +20,10 @@ aborted; worker reports arrive late, out of order, sometimes failed; duplicated 
 and reports for unknown jobs must raise and change nothing; the CPU tier is reset. The
 invariant compares the drained events. A failure prints as a replayable program.
 
-Two regression tests follow the machine: partial window chunks (a null sub-block) were
-once stored, breaking S2 or leaving CPU sub-blocks unwritten that a later load read.
+Regression tests follow the machine: partial window chunks (a null sub-block) were once
+stored, breaking S2 or leaving CPU sub-blocks unwritten that a later load read; and the
+reference once touched only ``W + e`` window chunks at a lookup, ignoring
+``extra_retained_tokens``, so the LRU order of the two sides parted (the model was wrong).
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ MAX_LEN = MAX_PROMPT + 8 + MAX_NEW + 4  # prompt + suffix + output + MTP lookahe
 
 
 PREFIXES = st.sampled_from([MAX_PROMPT, MAX_PROMPT, 32, 24, 16, 8, 3, 0])
+# Warm-up prompts are never empty: drawn directly rather than filtered out of PREFIXES.
+WARM_PREFIXES = st.sampled_from([MAX_PROMPT, MAX_PROMPT, 32, 24, 16, 8, 3])
 
 
 def base_prompt(i: int) -> list[int]:
@@ -146,7 +150,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     pair: Lockstep
 
     @initialize(config=configs(), chunk=st.integers(2, 24), spec_tokens=st.integers(0, 3),
-                warm_up=st.lists(st.tuples(st.integers(0, 2), PREFIXES.filter(bool)),
+                warm_up=st.lists(st.tuples(st.integers(0, 2), WARM_PREFIXES),
                                  min_size=1, max_size=3))
     def setup(self, config: OffloadConfig, chunk: int, spec_tokens: int,
               warm_up: list[tuple[int, int]]) -> None:
@@ -319,7 +323,7 @@ def test_preset_layouts_are_valid(name: str) -> None:
     lambda cfg: OffloadScheduler(cfg, CPUOffloadManager(cfg.num_cpu_blocks), check=True)],
     ids=["model", "implementation"])
 def test_partial_chunk_is_never_stored(make: Any) -> None:
-    """Regression (found by this machine; fixed in spec.store: only whole chunks are
+    """Regression (found by this machine; fixed in the store rule: only whole chunks are
     stored). A SLIDING group (window 2 tokens, 2 one-token blocks per chunk, a 2-chunk tier).
     Request 'b' fills the tier with two chunks being written, so 'a''s first offer of
     chunks 0 and 1 gets None. Then b's store completes, the engine frees a's positions
@@ -345,7 +349,7 @@ def test_partial_chunk_is_never_stored(make: Any) -> None:
 
 
 def test_load_reads_only_stored_sub_blocks() -> None:
-    """Regression (fixed in spec.store: only whole chunks are stored). FULL chunks of 9
+    """Regression (fixed in the store rule: only whole chunks are stored). FULL chunks of 9
     one-token blocks and a SLIDING group (window 2, 4 blocks per chunk). Request A (14
     tokens) starts from a local prefix hit C = 10, so its window table is null below
     position 9. Window chunk 2 used to be stored from position 9, sub-block 0 never
@@ -362,3 +366,21 @@ def test_load_reads_only_stored_sub_blocks() -> None:
     e.deliver([(j, w, True) for j, w in e.pending_reports()])
     b = e.arrive(list(range(12)), 1)
     assert e.admit(b) == 0
+
+
+def test_touch_covers_the_retained_reach() -> None:
+    """Regression (found by the dev profile, hidden by CI's derandomized one; the model was
+    wrong). FULL + SLIDING 2-token blocks, window 1 token, ``extra_retained_tokens`` 3, so
+    the window reaches R = 3 tokens back: two chunks, not W = 1. Three 40-token warm-ups:
+    each lookup touches the window keys from the reach before its boundary. The model
+    touched from ``W + e`` chunks before it, leaving unrefreshed, at an aligned boundary,
+    a chunk the lookup reads; "after lookup: CPU tier contents differ" (LRU order)."""
+    cfg = OffloadConfig((GroupSpec(FULL, 2),
+                         GroupSpec(SLIDING, 2, window_tokens=1, extra_retained_tokens=3)),
+                        hash_block_tokens=1, num_gpu_blocks=65, num_cpu_blocks=48)
+    machine = SchedulerMachine()
+    machine.setup(cfg, chunk=2, spec_tokens=0, warm_up=[(0, 40)] * 3)
+    machine.events_agree()
+    impl, model = machine.pair.impl, machine.pair.model
+    assert impl.stats().hit_tokens > 0  # the lookups hit, so the touch rule mattered
+    assert impl.manager.policy.order() == tuple(model.manager.recency)

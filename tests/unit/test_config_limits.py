@@ -39,6 +39,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
+from kvcore.scheduler._rules import keep_rule as kvcore_keep_rule
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.lookup import needed_chunks
 from kvcore.spec.types import (
@@ -53,10 +54,24 @@ from kvcore.spec.types import (
     MAX_WORKERS,
     GroupKind,
     GroupSpec,
+    KeptOffsets,
     OffloadConfig,
     StoreLevel,
     cdiv,
 )
+
+
+def _alignment(cfg: OffloadConfig, group: int) -> int | None:
+    """The keep rule's period (kvcore's rule, ``kvcore.scheduler._rules.keep_rule``)."""
+    rule = kvcore_keep_rule.__wrapped__(cfg, group)
+    return None if rule is None else rule[0]
+
+
+def _kept(cfg: OffloadConfig, group: int) -> KeptOffsets | None:
+    """The keep rule's kept offsets, computed afresh (not from the rule's cache)."""
+    rule = kvcore_keep_rule.__wrapped__(cfg, group)
+    return None if rule is None else rule[1]
+
 
 FULL, SLIDING, MAMBA = GroupKind.FULL, GroupKind.SLIDING, GroupKind.MAMBA
 T = TypeVar("T")
@@ -204,8 +219,8 @@ def store_step(cfg: OffloadConfig) -> None:
 
 def keep_rule(cfg: OffloadConfig) -> None:
     for i in range(len(cfg.groups)):
-        a = bounded("alignment_chunks", lambda i=i: cfg.alignment_chunks(i))
-        kept = bounded("kept_offsets", lambda i=i: cfg.kept_offsets(i))
+        a = bounded("alignment_chunks", lambda i=i: _alignment(cfg, i))
+        kept = bounded("kept_offsets", lambda i=i: _kept(cfg, i))
         assert (a is None) == (kept is None)
         if a is not None and kept is not None:
             assert bounded("kept size", lambda k=kept: len(k)) < a
@@ -237,14 +252,14 @@ def test_the_largest_window_keep_rule_is_closed_form() -> None:
               GroupSpec(SLIDING, 1, window_tokens=MAX_CHUNK_TOKENS // 2))
     cfg = OffloadConfig(groups, hash_block_tokens=1, num_gpu_blocks=MAX_GPU_BLOCKS,
                         num_cpu_blocks=MAX_CPU_BLOCKS)
-    kept = bounded("kept_offsets", lambda: cfg.kept_offsets(1))
-    a = cfg.alignment_chunks(1)
+    kept = bounded("kept_offsets", lambda: _kept(cfg, 1))
+    a = _alignment(cfg, 1)
     assert a == MAX_CHUNK_TOKENS and kept is not None
     # The window's chunks before each segment end, plus the one the N - 1 lookup adds.
     assert len(kept) == MAX_CHUNK_TOKENS // 2 + 1
     assert a - 1 in kept and 0 not in kept and a // 2 - 2 not in kept
     widest = replace(cfg, groups=(groups[0], replace(groups[1], window_tokens=MAX_CONTEXT_TOKENS)))
-    assert bounded("kept_offsets", lambda: widest.kept_offsets(1)) is None
+    assert bounded("kept_offsets", lambda: _kept(widest, 1)) is None
 
 
 # -- one field across its bound ---------------------------------------------------------
@@ -357,11 +372,11 @@ def brute_kept(cfg: OffloadConfig, group: int) -> tuple[int, frozenset[int]] | N
 def test_kept_offsets_equal_the_brute_force(cfg: OffloadConfig) -> None:
     for i in range(len(cfg.groups)):
         expected = brute_kept(cfg, i)
-        kept = cfg.kept_offsets(i)
+        kept = _kept(cfg, i)
         if expected is None:
-            assert kept is None and cfg.alignment_chunks(i) is None
+            assert kept is None and _alignment(cfg, i) is None
         else:
-            assert kept is not None and cfg.alignment_chunks(i) == expected[0]
+            assert kept is not None and _alignment(cfg, i) == expected[0]
             assert frozenset(kept) == expected[1]
             assert len(kept) == len(expected[1])
             assert all((x in kept) == (x in expected[1]) for x in range(expected[0]))

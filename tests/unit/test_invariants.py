@@ -35,10 +35,12 @@ from kvcore.spec.invariants import (
     FenceRecord,
     JobTableRecord,
     KeyRecord,
+    LoadCoverageRecord,
     LoadRecord,
     LookupRecord,
     LookupTraceRecord,
     PlanRecord,
+    Skip,
     StoreOfferRecord,
     TraceEntry,
     Violation,
@@ -55,13 +57,13 @@ from kvcore.spec.invariants import (
     l1_hit_matches_spec,
     l1_load_within_verified,
     l2_pending_exactly_when_uncertain,
+    l3_load_covers_every_block,
     m1_eviction_safe,
     s1_plan_shape,
     s2_store_runs,
     x1_failure_never_hit,
 )
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
-from kvcore.spec.store import Skip
 from kvcore.spec.types import PENDING, GroupSpec, Status, make_key
 
 Predicate = Callable[[Any], list[Violation]]
@@ -91,6 +93,14 @@ L1_OK = LookupRecord(TWO_CFG, 0, 13, (parse_statuses("HHH"), parse_statuses("HHH
 L1_LOAD_OK = LoadRecord(TWO_CFG, 0, 12, ((0, 3), (1, 3)))
 L2_OK = LookupRecord(TWO_CFG, 0, 13, (parse_statuses("HHP"), parse_statuses("HHH")), None,
                      PENDING)
+# TWO_CFG, C = 2, hit 10 (boundary 12): group 0 (4-token blocks) holds block 0 valid and
+# is told blocks 0-2; group 1 (2-token blocks) has null padding at 0-1, blocks 2-5 real,
+# none valid. The load fills group 0 positions 1-2 and group 1 positions 2-5.
+L3_OK = LoadCoverageRecord(
+    TWO_CFG, 2, 10, ((11, 12, 13, 14), (0, 0, 21, 22, 23, 24, 25)), (1, 0),
+    TransferPlan(5, JobKind.LOAD, "r", (GroupTransfer((12, 13), 1, (0, 1), (K[0], K[1])),
+                                        GroupTransfer((21, 22, 23, 24), 2, (2, 3),
+                                                      (K[2], K[3])))))
 J1_OK = JobTableRecord("r", (JobKind.STORE, JobKind.STORE), lookup_answered=False)
 J2_OK = CompletionRecord(job_id=7, num_workers=4, reports=4, complete_calls=1,
                          job_keys=frozenset(K[:3]), completed_keys=frozenset(K[:3]))
@@ -192,6 +202,26 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                replace(L1_LOAD_OK, chunk_ranges=((0, 4), (1, 3))), "group 0 loads chunks [0, 4)"),
         Across("draft group loads its extra chunk",
                LoadRecord(DRAFT_CFG, 0, 8, ((0, 3),)), "outside the verified range (0, 2)"),
+    ]),
+    (l3_load_covers_every_block, L3_OK, [
+        # The first_unfilled mutant: the load starts one block late.
+        Across("the first block to fill is skipped", replace(L3_OK, plan=group0(
+            PlanRecord(TWO_CFG, L3_OK.plan), gpu_block_ids=(13,), block_index=2).plan),
+            "group 0: blocks at positions [1]"),
+        Across("the last block told loaded is left stale", replace(L3_OK, plan=group1(
+            PlanRecord(TWO_CFG, L3_OK.plan), gpu_block_ids=(21, 22, 23)).plan),
+            "group 1: blocks at positions [5]"),
+        Across("a block filled with another id", replace(L3_OK, plan=group1(
+            PlanRecord(TWO_CFG, L3_OK.plan), gpu_block_ids=(21, 22, 23, 26)).plan),
+            "blocks at positions [5]"),
+        Across("a valid block overwritten", replace(L3_OK, plan=group0(
+            PlanRecord(TWO_CFG, L3_OK.plan), gpu_block_ids=(11, 12, 13), block_index=0).plan),
+            "writes positions [0] outside [1, 3)"),
+        Across("a block past the boundary written", replace(L3_OK, plan=group0(
+            PlanRecord(TWO_CFG, L3_OK.plan), gpu_block_ids=(12, 13, 14)).plan),
+            "writes positions [3] outside [1, 3)"),
+        Across("a group's entry missing from the plan", replace(L3_OK, plan=replace(
+            L3_OK.plan, groups=L3_OK.plan.groups[:1])), "group 1: blocks at positions [2, 3"),
     ]),
     (l2_pending_exactly_when_uncertain, L2_OK, [
         Across("uncertain answer given as a number", replace(L2_OK, result=8), "spec says PENDING"),

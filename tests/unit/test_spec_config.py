@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvcore.scheduler._rules import keep_rule
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.invariants import KeyRecord, k1_keys_distinct
 from kvcore.spec.types import (
@@ -256,13 +257,19 @@ def test_groups_given_as_a_list_are_frozen_to_a_tuple() -> None:
     assert isinstance(cfg.groups, tuple)
 
 
+def alignment(cfg: OffloadConfig, group: int) -> int | None:
+    """The keep rule's period (kvcore's rule: derived values that are rules live there)."""
+    rule = keep_rule(cfg, group)
+    return None if rule is None else rule[0]
+
+
 def test_derived_quantities_of_the_base_layout() -> None:
     cfg = build()
     assert cfg.has_window_groups
     assert cfg.mamba_align_tokens is None
     # Upstream's alignment_block_count for FULL 16 + SLIDING 4 window 8 (§2.7): 4, W = 2.
-    assert cfg.alignment_chunks(1) == 4
-    assert cfg.alignment_chunks(0) is None
+    assert alignment(cfg, 1) == 4
+    assert alignment(cfg, 0) is None
     assert cfg.groups[1].window_chunks == 2
     assert cfg.groups[1].reach_tokens == 7
     assert cfg.groups[0].window_chunks is None
@@ -270,12 +277,12 @@ def test_derived_quantities_of_the_base_layout() -> None:
 
 def test_alignment_needs_exactly_one_full_chunk_size() -> None:
     two_sizes = (GroupSpec(FULL, 16), GroupSpec(FULL, 32), GroupSpec(SLIDING, 4, window_tokens=8))
-    assert build(two_sizes).alignment_chunks(2) is None
-    assert build(store_alignment=False).alignment_chunks(1) is None
+    assert alignment(build(two_sizes), 2) is None
+    assert alignment(build(store_alignment=False), 1) is None
     # A window (plus the draft extra chunk) filling the whole segment keeps every chunk.
-    assert build(g1(window_tokens=16)).alignment_chunks(1) is None
+    assert alignment(build(g1(window_tokens=16)), 1) is None
     drafted = build(g1(window_tokens=12, is_draft=True), speculative=True)
-    assert drafted.alignment_chunks(1) is None
+    assert alignment(drafted, 1) is None
 
 
 # -- K1: keys ---------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """The load plan (L1 load half, S1, B1): which GPU blocks a hit fills, from which chunks.
 
-Goal: pin ``kvcore.spec.load`` against DESIGN.md "Load": the blocks to fill run from the
-first unfilled (non-null) one up to ``cdiv(C + hit, tokens_per_block)``; ``block_index`` is
-that first position, so a load may start mid-chunk; a too-short table or a null inside the
-range is refused; every chunk loaded lies inside the range the lookup verified, and a table
-that asks for more (the engine retains more of a window than the config says) raises
-``ConfigError`` naming ``groups[i].extra_retained_tokens``, never a load of unverified data.
+Goal: pin kvcore's load rule (``kvcore.scheduler._rules``) against the semantics and
+the reference's own block-by-block rule (``kvcore.spec.model.load_blocks``): the blocks
+to fill run from the first unfilled (non-null) one up to ``cdiv(C + hit,
+tokens_per_block)``; ``block_index`` is that first position, so a load may start
+mid-chunk; a too-short table or a null inside the range is refused; every chunk loaded
+lies inside the range the lookup verified, and a table that asks for more (the engine
+retains more of a window than the config says) raises ``ConfigError`` naming
+``groups[i].extra_retained_tokens``, never a load of unverified data; and every block
+the request is told is loaded is filled or already valid (L3).
 
 Method: known cases first; then Hypothesis draws a layout and an all-hit request, takes the
 spec's hit, and builds each group's block table the way an engine would (window groups free
@@ -17,20 +20,23 @@ larger one (it must succeed within the verified range or raise the named ConfigE
 from __future__ import annotations
 
 import pytest
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from spec_strategies import FULL, HIT, MAMBA, SLIDING, configs, make_config, requests
 
-from kvcore.spec.errors import ConfigError
+from kvcore.scheduler._rules import GroupLoad, group_load, load_plan
+from kvcore.spec.errors import BlockTableError, ConfigError
 from kvcore.spec.invariants import (
+    LoadCoverageRecord,
     LoadRecord,
     PlanRecord,
     b1_block_ids_in_range,
     l1_load_within_verified,
+    l3_load_covers_every_block,
     s1_plan_shape,
 )
-from kvcore.spec.load import BlockTableError, GroupLoad, group_load, load_plan
 from kvcore.spec.lookup import served_chunks, spec_hit
+from kvcore.spec.model import load_blocks
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, chunks_spanned
 from kvcore.spec.types import GroupSpec, OffloadConfig, cdiv, make_key
 
@@ -193,3 +199,68 @@ def test_load_stays_inside_the_verified_range(cfg: OffloadConfig, data: st.DataO
     record = PlanRecord(cfg, as_plan(cfg, loads))
     assert s1_plan_shape(record) == []
     assert b1_block_ids_in_range(record) == []
+    assert l3_load_covers_every_block(LoadCoverageRecord(
+        cfg, req.computed, hit, tuple(map(tuple, tables)), tuple(valid), record.plan)) == []
+
+
+LoadCase = tuple[OffloadConfig, int, int, int, tuple[int, ...], int]
+
+
+@st.composite
+def load_cases(draw: st.DrawFn) -> LoadCase:
+    """(config, group, C, hit, table, valid): tables with window padding, sometimes a
+    null anywhere, short or long; valid counts anywhere, mid-chunk too."""
+    cfg = draw(configs())
+    group = draw(st.integers(0, len(cfg.groups) - 1))
+    g = cfg.groups[group]
+    computed = draw(st.integers(0, 6 * g.tokens_per_chunk))
+    hit = draw(st.integers(1, 6 * g.tokens_per_chunk))
+    told = cdiv(computed + hit, g.tokens_per_block)
+    size = draw(st.sampled_from([told, told, told + 2, max(told - 1, 0)]))
+    first_real = draw(st.integers(0, size))
+    table = [0 if i < first_real else i + 1 for i in range(size)]
+    if size and draw(st.booleans()):
+        table[draw(st.integers(0, size - 1))] = 0  # a null anywhere
+    valid = draw(st.integers(0, told + 1))
+    return cfg, group, computed, hit, tuple(table), valid
+
+
+@given(load_cases())
+# Pinned: a FULL load after one valid block (the first block to fill is position 1), and
+# a window load after padding.
+@example((make_config(GroupSpec(FULL, 4)), 0, 4, 8, (1, 2, 3), 1))
+@example((make_config(GroupSpec(SLIDING, 4, window_tokens=8)), 0, 0, 32,
+          (0, 0, 0, 0, 0, 0, 7, 8), 0))
+def test_load_agrees_with_the_reference_block_by_block(case: LoadCase) -> None:
+    """``group_load`` and the reference's ``load_blocks`` agree on any table: nulls
+    anywhere, valid counts anywhere (mid-chunk too), tables short or long. Both load the
+    same blocks from the same chunks, or both refuse with the same error class; a load
+    either gives is L3-clean. Kills a ``first_unfilled`` that starts one block late, a
+    ``group_load`` that stops one block short or takes the first chunk from the wrong
+    position."""
+    cfg, group, computed, hit, table, valid = case
+    mine = theirs = None
+    try:
+        mine = group_load(cfg, group, computed, hit, table, valid)
+    except (BlockTableError, ConfigError) as e:
+        mine_error: type[Exception] | None = type(e)
+    else:
+        mine_error = None
+    try:
+        theirs = load_blocks(cfg, group, computed, hit, table, valid)
+    except (BlockTableError, ConfigError) as e:
+        theirs_error: type[Exception] | None = type(e)
+    else:
+        theirs_error = None
+    assert mine_error is theirs_error
+    if mine is None or theirs is None:
+        return
+    assert (mine.first_chunk, mine.end_chunk, mine.block_index, mine.gpu_block_ids) == theirs
+    tables = tuple(tuple(table) if i == group else () for i in range(len(cfg.groups)))
+    valids = tuple(valid if i == group else 0 for i in range(len(cfg.groups)))
+    gts = tuple(GroupTransfer(mine.gpu_block_ids, mine.block_index) if i == group else
+                GroupTransfer() for i in range(len(cfg.groups)))
+    plan = TransferPlan(1, JobKind.LOAD, "r", gts)
+    # Only this group's table is given: the others are told nothing (empty tables).
+    record = LoadCoverageRecord(cfg, computed, hit, tables, valids, plan)
+    assert [v for v in l3_load_covers_every_block(record) if v.values["group"] == group] == []

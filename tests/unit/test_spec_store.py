@@ -1,6 +1,8 @@
 """The store plan (E1, E2): which chunks a request offers, step by step.
 
-Goal: pin ``kvcore.spec.store`` against DESIGN.md "Store": a draft group never offers its
+Goal: pin kvcore's store rule (``kvcore.scheduler._rules``) against the semantics, and
+against the reference's own walk (``kvcore.spec.model.store_walk``) and keep rule
+(``kvcore.spec.lookup.read_at_segment_end``): a draft group never offers its
 volatile chunk (E1) for any cursor and frontier; the cursor never passes a chunk that was
 not offered or skipped for a stated reason, never moves back, and a held-back chunk is
 offered once the frontier moves on (E2: no holes, across multi-step chunked prefill);
@@ -22,26 +24,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from spec_strategies import FULL, HIT, MAMBA, MISS, SLIDING, configs, make_config
 
+from kvcore.scheduler._rules import (
+    GroupOffer,
+    chunk_reachable,
+    chunk_source_blocks,
+    group_offer,
+    keep_rule,
+    storable_prefix,
+    store_end,
+)
 from kvcore.spec.invariants import (
     CursorMoveRecord,
+    Skip,
     StoreOfferRecord,
     e1_volatile_chunk_never_offered,
     e2_cursor_leaves_no_hole,
 )
-from kvcore.spec.lookup import hit_for, needed_chunks
-from kvcore.spec.store import (
-    GroupOffer,
-    Skip,
-    chunk_reachable,
-    chunk_source_blocks,
-    group_offer,
-    storable_prefix,
-    store_end,
-)
+from kvcore.spec.lookup import hit_for, needed_chunks, read_at_segment_end
+from kvcore.spec.model import store_walk
 from kvcore.spec.types import GroupSpec, OffloadConfig, cdiv
 
 # -- driver -------------------------------------------------------------------------------
@@ -297,7 +301,8 @@ def test_window_keep_rule_keeps_what_segment_end_lookups_read(cfg: OffloadConfig
     full = GroupSpec(FULL, a * o)
     both = make_config(full, sliding, hash_block_tokens=cfg.hash_block_tokens,
                        speculative=cfg.speculative, draft_kv_elsewhere=cfg.draft_kv_elsewhere)
-    period = both.alignment_chunks(1)
+    rule = keep_rule(both, 1)
+    period = None if rule is None else rule[0]
     window = sliding.window_chunks
     assert window is not None
     first = cdiv(sliding.reach_tokens, a * o) + 2
@@ -359,11 +364,38 @@ def boundaries_stay_on_segment_ends(cfg: OffloadConfig) -> bool:
     return True
 
 
-@given(configs(store_alignment=True).filter(boundaries_stay_on_segment_ends),
-       st.integers(1, 12), st.integers(0, 3))
+def _divisors(n: int, limit: int = 4) -> list[int]:
+    return [d for d in range(1, limit + 1) if n % d == 0]
+
+
+@st.composite
+def segment_end_layouts(draw: st.DrawFn) -> OffloadConfig:
+    """Layouts with ``boundaries_stay_on_segment_ends``, built directly (no filtering).
+
+    One FULL chunk size ``A``; SLIDING chunks that divide ``A`` and are longer than one
+    token, without ``extra_retained_tokens``; MAMBA chunks that are multiples of ``A``; no
+    draft group; every chunk a multiple of the hash block size; groups in any order.
+    """
+    hbt = draw(st.sampled_from([1, 2, 4]))
+    a_tokens = hbt * draw(st.sampled_from([2, 4, 8]))
+    mamba = a_tokens * draw(st.integers(1, 2))
+    sliding_sizes = [hbt * d for d in range(1, a_tokens // hbt + 1)
+                     if a_tokens % (hbt * d) == 0 and hbt * d > 1]
+    groups = []
+    for kind in [FULL, *draw(st.lists(st.sampled_from([FULL, SLIDING, MAMBA]), max_size=3))]:
+        chunk = {FULL: a_tokens, MAMBA: mamba}.get(kind) or draw(st.sampled_from(sliding_sizes))
+        bpc = draw(st.sampled_from(_divisors(chunk)))
+        window = draw(st.integers(1, 4 * chunk)) if kind is SLIDING else None
+        groups.append(GroupSpec(kind, chunk // bpc, bpc, window_tokens=window))
+    order = draw(st.permutations(groups))
+    return make_config(*order, hash_block_tokens=hbt, store_alignment=True)
+
+
+@given(segment_end_layouts(), st.integers(1, 12), st.integers(0, 3))
 def test_chunks_skipped_as_unreachable_are_not_needed(cfg: OffloadConfig, full_chunks: int,
                                                       tail: int) -> None:
     """Round trip: store a whole prompt, look it up again; the skipped chunks are not needed."""
+    assert boundaries_stay_on_segment_ends(cfg)
     num_tokens = full_chunks * max(g.tokens_per_chunk for g in cfg.groups) + tail
     stored, with_skipped = round_trip(cfg, num_tokens)
     assert stored == with_skipped
@@ -415,3 +447,94 @@ def test_keep_rule_trade_off_is_pinned() -> None:
     groups, hash_tokens, num_tokens, observed = KEEP_RULE_TRADE_OFF
     cfg = make_config(*groups, hash_block_tokens=hash_tokens, speculative=True)
     assert round_trip(cfg, num_tokens) == observed
+
+
+# -- kvcore's rule against the reference's, computed apart ------------------------------------
+
+
+@st.composite
+def aligned_layouts(draw: st.DrawFn) -> OffloadConfig:
+    """FULL chunk ``A = a * o`` beside one SLIDING group of chunk ``o`` (any window,
+    retention, draft flag, blocks per chunk), sometimes a MAMBA group whose chunk divides
+    ``A`` or not, sometimes alignment off: the set-ups where the keep rule is decided."""
+    hbt = draw(st.sampled_from([1, 2]))
+    o = hbt * draw(st.integers(1, 3))
+    a = draw(st.integers(2, 8))
+    bpc = draw(st.sampled_from(_divisors(o)))
+    window = draw(st.integers(1, 3 * a * o))
+    sliding = GroupSpec(SLIDING, o // bpc, bpc, window_tokens=window,
+                        is_draft=draw(st.booleans()),
+                        extra_retained_tokens=draw(st.sampled_from([0, 0, 1, o, 3 * o + 1])))
+    groups = [GroupSpec(FULL, a * o), sliding]
+    if draw(st.booleans()):
+        groups.append(GroupSpec(MAMBA, hbt * draw(st.integers(1, 2 * a))))
+    return make_config(*draw(st.permutations(groups)), hash_block_tokens=hbt,
+                       store_alignment=draw(st.sampled_from([True, True, True, False])))
+
+
+@given(aligned_layouts())
+# Pinned so the comparison never depends on what a run happens to draw: a Mamba chunk
+# (4) that rounds the N - 1 limit to kA - 4, and a draft window with retention.
+@example(make_config(GroupSpec(FULL, 8), GroupSpec(SLIDING, 1, window_tokens=2),
+                     GroupSpec(MAMBA, 4)))
+@example(make_config(GroupSpec(FULL, 12), GroupSpec(SLIDING, 2, 2, window_tokens=5,
+                                                    is_draft=True, extra_retained_tokens=5),
+                     hash_block_tokens=2))
+def test_keep_rule_agrees_with_the_reference(cfg: OffloadConfig) -> None:
+    """kvcore's periodic keep rule == the spec's segment-end reads, chunk by chunk, over
+    the first four segments and beyond.
+
+    Kills a kvcore ``keep_rule`` that drops the Mamba-rounded end, the ``kA - 1`` end or
+    the draft extra chunk, or keeps one chunk more (the #53951 "last W + 1" rule)."""
+    group = next(i for i, g in enumerate(cfg.groups) if g.kind is SLIDING)
+    o = cfg.groups[group].tokens_per_chunk
+    a = max(g.tokens_per_chunk for g in cfg.groups if g.kind is FULL) // o
+    for chunk in range(4 * a + 3):
+        assert chunk_reachable(cfg, group, chunk) == read_at_segment_end(cfg, group, chunk), \
+            (cfg.groups, chunk)
+
+
+OfferCase = tuple[OffloadConfig, int, int, int, int, tuple[int, ...]]
+
+
+@st.composite
+def offer_cases(draw: st.DrawFn) -> OfferCase:
+    """(config, group, cursor, frontier V, storable U, table): the cursor at or near the
+    end, U often V, nulls as window padding and sometimes one stale block anywhere."""
+    cfg = draw(configs())
+    group = draw(st.integers(0, len(cfg.groups) - 1))
+    g = cfg.groups[group]
+    o = g.tokens_per_chunk
+    frontier = draw(st.integers(0, 12 * o))
+    storable = draw(st.integers(0, frontier)) if draw(st.booleans()) else frontier
+    cursor = draw(st.integers(0, storable // o + 1))
+    size = cdiv(frontier, g.tokens_per_block)
+    padding = draw(st.integers(0, size))
+    table = [0 if i < padding else i + 1 for i in range(size)]
+    if size and draw(st.booleans()):
+        table[draw(st.integers(0, size - 1))] = 0  # a stale block, zeroed
+    return cfg, group, cursor, frontier, storable, tuple(table)
+
+
+@given(offer_cases())
+# Pinned: padding ends mid-chunk (W24 offered chunk 0, its last block real), and a draft
+# group whose U reaches the volatile chunk.
+@example((make_config(GroupSpec(SLIDING, 2, 2, window_tokens=4)), 0, 0, 12, 12,
+          (0, 5, 6, 7, 8, 9)))
+@example((make_config(GroupSpec(FULL, 4, is_draft=True)), 0, 0, 16, 16, (1, 2, 3, 4)))
+def test_offer_agrees_with_the_reference_walk(case: OfferCase) -> None:
+    """``group_offer`` and the reference's ``store_walk`` agree for any cursor, frontier,
+    cap and table with nulls (window padding, or anywhere): same chunks offered, same
+    cursor after, and every chunk passed and not offered skipped with the reason the
+    reference would give. Kills an offer that checks only a chunk's last block for null
+    (upstream W24), a store end that lets a draft group's volatile chunk through (E1), and
+    a cursor that stops one chunk short or runs one past."""
+    cfg, group, cursor, frontier, storable, table = case
+    g = cfg.groups[group]
+    offer = group_offer(cfg, group, cursor, frontier, storable, table)
+    offered, after = store_walk(cfg, group, cursor, frontier, storable, table)
+    assert list(offer.offered) == offered
+    assert offer.new_cursor == after
+    bpc = g.blocks_per_chunk
+    for c, why in offer.skipped.items():
+        assert why is (Skip.NULL if 0 in table[c * bpc:(c + 1) * bpc] else Skip.UNREACHABLE)

@@ -1,0 +1,210 @@
+"""The reference shares no rule function with kvcore: an import walk over spec/ and kvcore/.
+
+Goal: the lock step (``tests/refinement``) is worth something only if the reference model
+and the implementation compute each rule apart. This test parses (``ast``) every module of
+``spec/`` and ``kvcore/`` and fails when
+
+- a reference module (``kvcore.spec.model``, ``kvcore.spec.manager_model``), or any spec
+  module, imports anything from ``kvcore`` outside ``kvcore.spec`` (the arrows point
+  kvcore -> kvcore.spec, never back);
+- a kvcore library module imports from ``kvcore.spec`` anything but types, errors, hook
+  dataclasses, plans and the invariant predicates and records: the modules in
+  ``ALLOWED_MODULES`` (each imported object must also be *defined* there, so a rule
+  function re-exported through ``invariants`` is caught), plus the named dataclasses of
+  ``ALLOWED_NAMES``. ``kvcore.spec.lookup`` (the spec's hit and keep rule),
+  ``kvcore.spec.model`` and the rest of ``kvcore.spec.manager_model`` are the reference's;
+- kvcore names a forbidden spec module in a string (``importlib.import_module``).
+
+Imports inside functions count as much as top-level ones. Method: the checker is a pure
+function over {module name: source}; the real tree must pass, and each kind of leak,
+injected into a copy of the real source, must be reported.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = frozenset({"kvcore.spec.model", "kvcore.spec.manager_model"})
+
+# What kvcore library code may take from kvcore.spec: whole modules of types, errors,
+# hook dataclasses, plan shapes, and invariant predicates and records ...
+ALLOWED_MODULES = frozenset({"kvcore.spec.types", "kvcore.spec.errors", "kvcore.spec.hooks",
+                             "kvcore.spec.plans", "kvcore.spec.invariants"})
+# ... and, from the reference manager's module, only its interface dataclasses and its
+# capacity limit (a constant, not a rule).
+ALLOWED_NAMES = {"kvcore.spec.manager_model": frozenset({
+    "ManagerEvent", "ManagerStats", "PrepareStoreResult", "MAX_CAPACITY_CHUNKS"})}
+FORBIDDEN_MODULES = ("kvcore.spec.lookup", "kvcore.spec.model", "kvcore.spec.manager_model")
+
+
+def module_name(path: Path) -> str:
+    """``spec/x.py`` -> ``kvcore.spec.x``; ``kvcore/a/b.py`` -> ``kvcore.a.b``."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "spec":
+        parts = ["kvcore", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def real_sources() -> dict[str, str]:
+    files = sorted((ROOT / "spec").rglob("*.py")) + sorted((ROOT / "kvcore").rglob("*.py"))
+    return {module_name(p): p.read_text() for p in files}
+
+
+def imports(module: str, source: str, is_package: bool) -> list[tuple[str, str | None, int]]:
+    """(module imported from, name or None for a whole module, line) for every import."""
+    package = module if is_package else module.rpartition(".")[0]
+    out: list[tuple[str, str | None, int]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, None, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                out.append((base, alias.name, node.lineno))
+    return out
+
+
+def spec_object_allowed(origin: str, name: str | None) -> bool:
+    """May kvcore library code import ``name`` (None: the whole module) from ``origin``?"""
+    if name is None:
+        return origin in ALLOWED_MODULES
+    if _is_module(f"{origin}.{name}"):  # ``from kvcore.spec import lookup``
+        return f"{origin}.{name}" in ALLOWED_MODULES
+    if name in ALLOWED_NAMES.get(origin, frozenset()):
+        return True
+    if origin not in ALLOWED_MODULES | {"kvcore.spec"}:
+        return False
+    obj = getattr(importlib.import_module(origin), name, None)
+    if obj is None:
+        return False
+    if isinstance(obj, type) and obj.__module__ == "builtins":
+        return True  # an alias such as ``Key = bytes``
+    if callable(obj):
+        # A function or class must be defined in an allowed module, not re-exported.
+        return getattr(obj, "__module__", None) in ALLOWED_MODULES
+    return True  # a constant or type alias (PENDING, LookupResult, limits)
+
+
+def _is_module(full: str) -> bool:
+    try:
+        return importlib.util.find_spec(full) is not None
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
+PACKAGES = frozenset(module_name(p) for p in [*(ROOT / "spec").rglob("__init__.py"),
+                                               *(ROOT / "kvcore").rglob("__init__.py")])
+
+
+def violations(sources: dict[str, str]) -> list[str]:
+    """Every import that breaks the independence rules, as ``module:line: what``."""
+    out: list[str] = []
+    for module, source in sources.items():
+        in_spec = module == "kvcore.spec" or module.startswith("kvcore.spec.")
+        for origin, name, line in imports(module, source, module in PACKAGES):
+            what = f"{module}:{line}: from {origin} import {name or '*module*'}"
+            from_kvcore = origin == "kvcore" or origin.startswith("kvcore.")
+            from_spec = origin == "kvcore.spec" or origin.startswith("kvcore.spec.")
+            if in_spec and from_kvcore and not from_spec:
+                role = "the reference" if module in REFERENCE else "spec"
+                out.append(f"{what} ({role} imports kvcore code)")
+            elif not in_spec and from_spec and not spec_object_allowed(origin, name):
+                out.append(f"{what} (kvcore imports a spec rule, not a type/error/predicate)")
+        if not in_spec:
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.Constant) and node.value in FORBIDDEN_MODULES:
+                    out.append(f"{module}:{node.lineno}: names {node.value!r} in a string")
+    return out
+
+
+def test_the_real_tree_is_independent() -> None:
+    sources = real_sources()
+    assert "kvcore.spec.model" in sources and "kvcore.scheduler._rules" in sources
+    assert violations(sources) == []
+
+
+def test_the_reference_imports_only_spec_and_the_standard_library() -> None:
+    """Stronger than the rule above, for the reference alone: every import is kvcore.spec
+    or a standard-library module."""
+    sources = real_sources()
+    for module in REFERENCE:
+        for origin, _, line in imports(module, sources[module], False):
+            top = origin.split(".")[0]
+            assert origin.startswith("kvcore.spec") or top in sys.stdlib_module_names, \
+                (module, line, origin)
+
+
+def inject(module: str, line: str, into_function: bool = False) -> dict[str, str]:
+    """The real sources with ``line`` added to ``module`` (at the top, or in a function)."""
+    sources = real_sources()
+    if into_function:
+        sources[module] += f"\n\ndef _injected() -> None:\n    {line}\n"
+    else:
+        head, sep, rest = sources[module].partition("from __future__ import annotations\n")
+        sources[module] = head + sep + line + "\n" + rest
+    return sources
+
+
+LEAKS = [
+    pytest.param("kvcore.spec.model", "from kvcore.scheduler._rules import group_offer", False,
+                 "the reference imports kvcore code", id="reference-imports-kvcore-rule"),
+    pytest.param("kvcore.spec.model", "from kvcore.scheduler import scheduler", True,
+                 "the reference imports kvcore code", id="reference-lazy-import"),
+    pytest.param("kvcore.spec.manager_model", "from kvcore.manager._lru import LRUPolicy",
+                 False, "the reference imports kvcore code", id="manager-model-imports-lru"),
+    pytest.param("kvcore.spec.lookup", "from ..scheduler._lookup import converge", True,
+                 "spec imports kvcore code", id="spec-relative-import-of-kvcore"),
+    pytest.param("kvcore.scheduler._rules", "from kvcore.spec.lookup import needed_chunks",
+                 False, "kvcore imports a spec rule", id="kvcore-imports-spec-lookup"),
+    pytest.param("kvcore.scheduler.scheduler", "from kvcore.spec.model import load_blocks",
+                 False, "kvcore imports a spec rule", id="kvcore-imports-reference-rule"),
+    pytest.param("kvcore.scheduler._store", "from kvcore.spec import lookup", False,
+                 "kvcore imports a spec rule", id="kvcore-imports-spec-module"),
+    pytest.param("kvcore.zoo", "import kvcore.spec.model", True,
+                 "kvcore imports a spec rule", id="kvcore-imports-whole-model"),
+    pytest.param("kvcore.scheduler._rules", "from kvcore.spec.invariants import spec_hit",
+                 False, "kvcore imports a spec rule", id="rule-laundered-through-invariants"),
+    pytest.param("kvcore.manager._cpu",
+                 "from kvcore.spec.manager_model import ReferenceManager", False,
+                 "kvcore imports a spec rule", id="kvcore-imports-reference-manager"),
+    pytest.param("kvcore.manager._cpu",
+                 "from kvcore.spec.manager_model import check_capacity", False,
+                 "kvcore imports a spec rule", id="kvcore-shares-manager-validation"),
+    pytest.param("kvcore.scheduler._lookup",
+                 "_m = __import__('importlib').import_module('kvcore.spec.lookup')", True,
+                 "in a string", id="dynamic-import-by-name"),
+]
+
+
+@pytest.mark.parametrize(("module", "line", "into_function", "fragment"), LEAKS)
+def test_an_injected_leak_is_reported(module: str, line: str, into_function: bool,
+                                      fragment: str) -> None:
+    found = violations(inject(module, line, into_function))
+    assert found, f"{line!r} in {module} was not reported"
+    assert any(fragment in v and v.startswith(module) for v in found), found
+
+
+def test_allowed_imports_stay_allowed() -> None:
+    """Types, errors, hook dataclasses, plans and predicates: what kvcore may share."""
+    for module, line in [
+        ("kvcore.scheduler._rules",
+         "from kvcore.spec.invariants import l3_load_covers_every_block"),
+        ("kvcore.scheduler._rules", "from kvcore.spec.types import cdiv"),
+        ("kvcore.scheduler._rules", "from kvcore.spec import OffloadConfig"),
+        ("kvcore.manager._cpu", "from kvcore.spec.manager_model import PrepareStoreResult"),
+    ]:
+        assert violations(inject(module, line)) == [], line
