@@ -43,7 +43,6 @@ def _print_table(rows: list[list[str]], header: list[str]) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from kvcore import _check
-    from kvcore.presets import PRESETS, preset
     name, config = _layout(args)
     print(f"kvcore check: layout {name} ({len(config.groups)} groups), "
           f"seeds={args.seeds} examples={args.examples} steps={args.steps}", flush=True)
@@ -54,13 +53,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"proofs: {'passed' if ok else 'skipped' if ok is None else 'FAILED'} ({line})",
               flush=True)
         report["ok"] &= ok is not False
+    def progress(line: str) -> None:
+        print(line, flush=True)
+    print("battery:", flush=True)
     result = _check.run_battery(config, preset=name, seeds=args.seeds,
-                                examples=args.examples, steps=args.steps)
+                                examples=args.examples, steps=args.steps, progress=progress)
     table = _check.invariant_table(result)
     report["invariants"] = table
     report["seconds"] = round(result.seconds, 2)
+    report["stages"] = {k: round(v, 2) for k, v in result.stages.items()}
+    print()
     _print_table([[i, str(v["checked"]), str(v["violations"])] for i, v in table.items()],
                  ["invariant", "checked", "violations"])
+    print("\nlegend:")
+    for line in _check.invariant_legend():
+        print(f"  {line}")
     code = EXIT_OK if report["ok"] else EXIT_FAIL
     if result.failure is not None:
         report["ok"] = False
@@ -69,17 +76,21 @@ def cmd_check(args: argparse.Namespace) -> int:
               f"{result.failure.message}\nreproduce with:\n{result.failure.reproducer}")
         code = KIND_EXIT[result.failure.kind]
     if args.mutants:
-        layouts = {n: preset(n) for n in PRESETS}
-        outcomes = _check.run_mutants(layouts, seeds=args.seeds, examples=args.examples,
-                                      steps=args.steps)
-        report["mutants"] = {o.name: {"killed": o.killed, "by": o.by, "preset": o.preset,
-                                      "origin": o.origin, "seconds": round(o.seconds, 2)}
+        # The user's layout: each mutant that can matter there must be caught on it.
+        print(f"\nbug zoo on {name}:", flush=True)
+        outcomes = _check.run_mutants({name: config}, seeds=args.seeds,
+                                      examples=args.examples, steps=args.steps,
+                                      progress=progress)
+        report["mutants"] = {o.name: {"status": o.status, "killed": o.killed, "by": o.by,
+                                      "expected": o.expected, "stage": o.stage,
+                                      "seed": o.seed, "preset": o.preset, "origin": o.origin,
+                                      "seconds": round(o.seconds, 2)}
                              for o in outcomes}
         print()
-        _print_table([[o.name, "killed" if o.killed else "SURVIVED", o.by, o.preset,
-                       f"{o.seconds:.1f}s"] for o in outcomes],
-                     ["mutant", "result", "caught by", "layout", "time"])
-        if not all(o.killed for o in outcomes):
+        _print_table([[o.name, o.describe(), o.expected, o.stage, o.seed, f"{o.seconds:.1f}s"]
+                      for o in outcomes],
+                     ["mutant", "result", "expected", "stage", "seed", "time"])
+        if not all(o.ok for o in outcomes):
             report["ok"] = False
             code = code or EXIT_FAIL
     if args.json:
