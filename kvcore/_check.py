@@ -278,6 +278,7 @@ class MutantOutcome:
     seconds: float
     stage: str = ""
     seed: str = ""
+    fired: str = ""  # every id the failure named (``by`` is the declared one when killed)
 
     @property
     def killed(self) -> bool:
@@ -295,8 +296,10 @@ class MutantOutcome:
             return "n/a on this layout"
         if self.status == "crash":
             return f"only crashed ({self.by})"
-        return f"{self.status} (expected {self.expected})" if self.status != "killed" \
-            else f"killed by {self.by}"
+        if self.status == "killed":
+            also = f" (also {self.fired})" if self.fired != self.by else ""
+            return f"killed by {self.by}{also}"
+        return f"{self.status} (expected {self.expected})"
 
 
 def run_mutant(mutant: Mutant, layouts: dict[str, OffloadConfig] | None = None, *,
@@ -318,14 +321,17 @@ def run_mutant(mutant: Mutant, layouts: dict[str, OffloadConfig] | None = None, 
         failure = result.failure
         if failure is None:
             continue
-        by = ",".join(failure.ids)
+        fired = ",".join(failure.ids)
+        by = fired
         if failure.kind == "crash":
             status = "crash"  # a crash is not a catch: the checks must name what broke
-            by = f"{by}: {failure.message[:80]}"
+            by = f"{fired}: {failure.message[:80]}"
+        elif mutant.expect in failure.ids:
+            status, by = "killed", mutant.expect
         else:
-            status = "killed" if mutant.expect in failure.ids else "wrong check"
+            status = "wrong check"
         return MutantOutcome(mutant.name, mutant.origin, mutant.expect, status, by, name,
-                             time.perf_counter() - start, failure.stage, failure.seed)
+                             time.perf_counter() - start, failure.stage, failure.seed, fired)
     status = "survived" if tried else "n/a"
     return MutantOutcome(mutant.name, mutant.origin, mutant.expect, status, "",
                          ",".join(tried or layouts), time.perf_counter() - start)

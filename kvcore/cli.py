@@ -82,7 +82,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                                       examples=args.examples, steps=args.steps,
                                       progress=progress)
         report["mutants"] = {o.name: {"status": o.status, "killed": o.killed, "by": o.by,
-                                      "expected": o.expected, "stage": o.stage,
+                                      "expected": o.expected, "fired": o.fired,
+                                      "stage": o.stage,
                                       "seed": o.seed, "preset": o.preset, "origin": o.origin,
                                       "seconds": round(o.seconds, 2)}
                              for o in outcomes}
