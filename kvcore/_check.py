@@ -255,10 +255,14 @@ def invariant_legend() -> list[str]:
     for fns in invariants.PREDICATES.values():
         for fn in fns:
             key = invariants.PREDICATE_IDS[fn.__name__]
-            doc = (fn.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-            text = doc.split(": ", 1)[1] if ": " in doc[:12] else doc
+            doc = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+            text = (doc.split(": ", 1)[1] if ": " in doc[:24] else doc).rstrip(".")
             lines[key] = f"{lines[key]}; {text}" if key in lines else text
-    return [f"{i}  {lines.get(i, '')}" for i in INVARIANT_IDS]
+    out = [f"{i}  {lines.get(i, '')}" for i in INVARIANT_IDS]
+    out.append("integrity  every block a completed load promised holds its key's bytes "
+               "(the simulator's byte check; directed scenarios' stale-block checks)")
+    out.append("liveness   every run settles: all requests finish, all jobs complete")
+    return out
 
 
 @dataclass

@@ -2,7 +2,8 @@
 workloads reach only rarely.
 
 Each drives a scheduler and manager through the public hooks, with checks on, on the
-layout under test shrunk to a small GPU and CPU pool. ``kvcore check`` runs them before
+layout under test shrunk to a small GPU and CPU pool; the manager runs in lock step with
+the reference manager (M2). ``kvcore check`` runs them before
 the random battery, so a mutant of a rarely exercised rule (a lookup while jobs are in
 flight, a store issued during a load, a draft group re-verified after another group
 shrinks the boundary, a hit below one chunk, PENDING read as a miss) is caught within
@@ -27,6 +28,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
+from kvcore.sim._shadow import ShadowedManager
 from kvcore.spec.types import GroupKind, OffloadConfig, StoreLevel, cdiv, group_keys
 
 Factory = Callable[..., OffloadScheduler]
@@ -34,7 +36,7 @@ Factory = Callable[..., OffloadScheduler]
 # Crafted lookups per layout, and the longest request they use (in units of every chunk
 # size, or of the widest window): enough for every rule to matter, small enough for the
 # spec's exhaustive hit.
-LOOKUP_CASES = 160
+LOOKUP_CASES = 120
 LOOKUP_MAX_UNITS = 3
 
 
@@ -113,8 +115,7 @@ def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None
     only the job table can say "wait".
     """
     cfg = small(config)
-    got = _prefill_with_store(factory, cfg, CPUOffloadManager(cfg.num_cpu_blocks,
-                                                              check=True))
+    got = _prefill_with_store(factory, cfg, ShadowedManager(cfg.num_cpu_blocks))
     if got is None:
         return
     sched, done, _ = got
@@ -134,7 +135,7 @@ def store_during_load(factory: Factory, config: OffloadConfig) -> None:
     n = 4 * unit
     for level in (StoreLevel.REQUEST, config.store_level):
         cfg = replace(small(config), store_level=level)
-        manager = CPUOffloadManager(cfg.num_cpu_blocks, check=True)
+        manager = ShadowedManager(cfg.num_cpu_blocks)
         hashes = _hashes(n // cfg.hash_block_tokens, salt=3)
         for group, g in enumerate(cfg.groups):
             _store_ready(manager, group_keys(cfg, group, hashes)[unit // g.tokens_per_chunk:])
@@ -163,7 +164,7 @@ def draft_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> No
     unit = unit_tokens(cfg)
     n = 4 * unit + cfg.hash_block_tokens
     hashes = _hashes(n // cfg.hash_block_tokens, salt=5)
-    manager = CPUOffloadManager(cfg.num_cpu_blocks, check=True)
+    manager = ShadowedManager(cfg.num_cpu_blocks)
     for group in range(len(cfg.groups)):
         keys = group_keys(cfg, group, hashes)
         if group == last:
@@ -195,7 +196,7 @@ def _stale_blocks_once(factory: Factory, config: OffloadConfig, windows: list[in
     pin = [k for group in range(len(config.groups))
            for k in group_keys(config, group, other)][:64]
     cfg = small(config, cpu=len(pin) if refused else 4096)
-    manager = CPUOffloadManager(cfg.num_cpu_blocks, check=True)
+    manager = ShadowedManager(cfg.num_cpu_blocks)
     if refused:
         _store_ready(manager, pin)
         manager.prepare_load(pin)  # the tier is full, nothing evictable: stores refused
@@ -274,7 +275,9 @@ def crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
     GPU-cached start (computed tokens) and a length, so groups shrink each other's
     boundary (re-verification, one pop per cycle), hits fall below one chunk of the
     largest group, unknown keys decide the answer or do not, and, in some cases, a
-    second request is loading chunks the first would read.
+    second request is loading chunks the first would read. The settled cases (no key
+    WRITING, nothing loading) come first, so a wrong hit is named by L1/E3/E4 before a
+    case with unknown keys can name it by L2.
     """
     rng = random.Random(f"lookups:{config.name}:{len(config.groups)}")
     unit = unit_tokens(config)
@@ -283,10 +286,13 @@ def crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
     reach = max(g.reach_tokens + g.tokens_per_chunk for g in cfg.groups)
     longest = LOOKUP_MAX_UNITS * max(unit, reach)
     for case in range(LOOKUP_CASES):
-        n = rng.randrange(1, longest) + hbt
+        settled = case < LOOKUP_CASES // 2
+        n = rng.choice([rng.randrange(1, longest) + hbt,
+                        unit * rng.randrange(1, longest // unit + 2)])
         hashes = _hashes(n // hbt, salt=100 + case)
         manager = CPUOffloadManager(cfg.num_cpu_blocks, check=True)
-        hole, writing = rng.choice([0.0, 0.05, 0.2]), rng.choice([0.0, 0.0, 0.1])
+        hole = rng.choice([0.0, 0.05, 0.2])
+        writing = 0.0 if settled else rng.choice([0.02, 0.1, 0.3])
         for group in range(len(cfg.groups)):
             keys = group_keys(cfg, group, hashes)
             end = rng.choice([len(keys), len(keys), rng.randrange(len(keys) + 1)])
@@ -300,7 +306,7 @@ def crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
             _store_ready(manager, ready)
             manager.prepare_store(pending)
         sched = factory(cfg, manager, check=True)
-        if rng.random() < 0.25:
+        if not settled and rng.random() < 0.4:
             _other_request_loading(sched, cfg, hashes, n)
         sched.add_request(RequestInfo("a", n, hashes))
         computed = rng.choice([0, 0, rng.randrange(0, n + 1) // hbt * hbt])

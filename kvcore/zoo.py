@@ -156,7 +156,8 @@ def _converge_patch(*, min_per_group: bool = False, rearm_on_draft_shrink: bool 
         for i, g in enumerate(cfg.groups):
             boundary = min(boundary, max(num_keys[i] - g.extra_chunks, 0) * g.tokens_per_chunk)
         trace: list[TraceEntry] = []
-        if not min_per_group and boundary - computed < min_new:
+        floor0 = min(g.tokens_per_chunk for g in cfg.groups) if min_per_group else min_new
+        if boundary - computed < floor0:
             return Convergence(0, ())
         order = _lookup.lookup_order(cfg)
         verified_at: dict[int, int] = {}

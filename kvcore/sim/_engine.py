@@ -56,6 +56,7 @@ class SimRequest:
     final_upto: list[int] = field(default_factory=list)
     freed_upto: list[int] = field(default_factory=list)
     load_boundary: int = 0
+    store_cap: int | None = None  # RequestInfo.max_offload_tokens
     abort_pending: bool = False
 
 
@@ -139,6 +140,7 @@ class Simulator:
         cap = None
         if self.options.request_cap_rate and self.rng.random() < self.options.request_cap_rate:
             cap = self.rng.randrange(0, req.prompt_len + 1)
+        req.store_cap = cap
         self.scheduler.add_request(RequestInfo(req.request_id, req.prompt_len,
                                                tuple(req.hashes), max_offload_tokens=cap))
         self.reqs[req.request_id] = req
@@ -233,7 +235,10 @@ class Simulator:
             self.transfer.submit(load)
         for r, n, _ in scheduled:
             self._forward(r, n)
+        frontiers = {r.request_id: min(r.computed + n, len(r.tokens)) for r, n, _ in scheduled}
         for store in plan.stores:
+            if self.check:
+                self._check_storable(store, frontiers.get(store.request_id))
             self.store_plans[store.job_id] = store
             self.transfer.submit(store)
         for r, n, _ in scheduled:
@@ -385,6 +390,29 @@ class Simulator:
             # Rewritten positions are not final any more (a drafter may rewrite a chunk that
             # a load had just filled); they are finalised again once the frontier passes.
             req.final_upto[group] = min(req.final_upto[group], final_end)
+
+    def _check_storable(self, store: TransferPlan, frontier: int | None) -> None:
+        """From outside: a store holds only chunks inside the storable prefix U (the
+        frontier capped by prompt_only, max_offload_tokens and the request's own cap), and
+        only for a request scheduled this step. Beyond U the engine asked for nothing to
+        be kept (a decode cache, a budget), so such a chunk is a broken promise."""
+        req = self.reqs[store.request_id]
+        if frontier is None:
+            raise IntegrityError(f"store job {store.job_id} for request {req.request_id}, "
+                                 "which was not scheduled this step")
+        cfg = self.config
+        limit = min(frontier, req.store_cap if req.store_cap is not None else frontier,
+                    cfg.max_offload_tokens if cfg.max_offload_tokens is not None else frontier,
+                    req.prompt_len if cfg.prompt_only else frontier)
+        for group, gt in enumerate(store.groups):
+            if not gt.gpu_block_ids:
+                continue
+            g = cfg.groups[group]
+            end = (gt.block_index + len(gt.gpu_block_ids)) * g.tokens_per_block
+            if end > limit:
+                raise IntegrityError(f"store job {store.job_id} group {group} holds tokens up "
+                                     f"to {end}, beyond the storable prefix U={limit} of "
+                                     f"request {req.request_id}")
 
     def _sample(self, req: SimRequest, n: int) -> None:
         if n == 0 or req.state != "running":

@@ -109,12 +109,26 @@ class ShadowedManager:
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         slots = self.real.prepare_load(keys)
-        self.reference.prepare_load(keys)
+        want = self.reference.prepare_load(keys)
+        self._compare_states(keys, "prepare_load", slots, want)
         return slots
 
     def complete_load(self, keys: Sequence[Key]) -> None:
         self.real.complete_load(keys)
         self.reference.complete_load(keys)
+        self._compare_states(keys, "complete_load")
+
+    def _compare_states(self, keys: Sequence[Key], call: str, slots: Any = None,
+                        want: Any = None) -> None:
+        """After a load call the keys' states (pinned or not) and slots are the reference's."""
+        real, ref = self.real, self.reference
+        bad = [k for k in dict.fromkeys(keys) if real.state_of(k) != ref.state_of(k)]
+        if bad or slots != want:
+            k = bad[0] if bad else keys[0]
+            raise InvariantViolation([Violation(
+                "M2", f"after {call} key {k.hex()[:12]} is {real.state_of(k)} in the tier, "
+                f"{ref.state_of(k)} in the reference (slots {slots} vs {want})",
+                {"policy": self.policy_name, "call": call})])
 
     def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreResult | None:
         ref = self.reference
