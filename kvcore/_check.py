@@ -129,7 +129,7 @@ def sim_options(seed: int, context: int = 400) -> SimOptions:
     base: dict[str, Any] = {"num_cpu_blocks": 256, "num_gpu_blocks": 1500, "policy": policy}
     base.update(profile)
     base.update(variant)
-    return SimOptions(seed=seed, requests=16, context_tokens=context, max_running=3,
+    return SimOptions(seed=seed, requests=12, context_tokens=context, max_running=3,
                       prefill_budget=160, **base)
 
 

@@ -51,6 +51,7 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
             options = SimOptions(seed=seed, requests=0, context_tokens=context,
                                  num_workers=workers, num_cpu_blocks=cpu,
                                  num_gpu_blocks=1500, prefill_budget=192, max_running=3,
+                                 max_new_tokens=8,
                                  fail_rate=0.0, delay_rate=0.0, abort_rate=0.0,
                                  reset_rate=0.0, policy=policy, prompt_only=prompt_only,
                                  request_cap_rate=caps, gpu_cache_rate=cached)
