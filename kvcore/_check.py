@@ -301,7 +301,8 @@ class MutantOutcome:
         if self.status == "crash":
             return f"only crashed ({self.by})"
         if self.status == "killed":
-            also = f" (also {self.fired})" if self.fired != self.by else ""
+            others = [i for i in self.fired.split(",") if i and i != self.by]
+            also = f" (also {','.join(others)})" if others else ""
             return f"killed by {self.by}{also}"
         return f"{self.status} (expected {self.expected})"
 
