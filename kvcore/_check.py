@@ -1,7 +1,15 @@
-"""What ``kvcore check`` runs: the proofs, seeded simulations and the state machine.
+"""What ``kvcore check`` runs: the proofs, directed scenarios, seeded simulations and the
+state machine, all on the user's layout.
 
-The same battery runs with every bug-zoo mutant applied; there it must fail. Everything
-is bounded: simulation seeds, state-machine examples and steps, proof budgets.
+The battery runs in stages (``STAGES``), each reported with its elapsed time as it ends.
+Between them they exercise what the layout allows an engine to do: both eviction
+policies, the storable prefix below the frontier (``prompt_only``, ``max_offload_tokens``
+per config and per request), GPU prefix-cache hits (lookups with computed tokens),
+preemption, failed and late reports, aborts, resets and several workers.
+
+The same battery runs with every bug-zoo mutant applied, each stage (and each seed) in a
+fresh patch; there a mutant must be caught by the check it declares. Everything is
+bounded: simulation seeds, state-machine examples and steps, proof budgets.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import io
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +35,15 @@ from kvcore.sim._machine import make_machine
 from kvcore.spec.errors import InvariantViolation, KVCopyError
 from kvcore.spec.invariants import INVARIANT_IDS
 from kvcore.spec.types import OffloadConfig
-from kvcore.zoo import MUTANTS, Mutant
+from kvcore.zoo import MUTANTS, Mutant, layout
+
+Progress = Callable[[str], None]
+# A context manager that yields a scheduler factory (None: the shipped scheduler); a
+# mutant's ``apply``, entered afresh for each stage and each seed.
+Apply = Callable[[], contextlib.AbstractContextManager[Any]]
+
+STAGES = ("directed", "simulations", "state machine")
+POLICIES = ("lru", "arc")
 
 # Option sets the seeded simulations cycle through: calm, stormy, and under pressure.
 PROFILES: tuple[dict[str, Any], ...] = (
@@ -35,25 +52,37 @@ PROFILES: tuple[dict[str, Any], ...] = (
     {"fail_rate": 0.05, "delay_rate": 0.3, "abort_rate": 0.0, "reset_rate": 0.05,
      "num_cpu_blocks": 48, "num_gpu_blocks": 700},
 )
+# What the config lets the engine vary, crossed with the profiles: the storable prefix U
+# below the frontier V (prompt only; a config cap; per-request caps) and GPU prefix-cache
+# hits, so lookups start past token 0 and loads fill blocks after valid ones.
+VARIANTS: tuple[dict[str, Any], ...] = (
+    {"gpu_cache_rate": 0.3},
+    {"prompt_only": True, "gpu_cache_rate": 0.5},
+    {"max_offload_tokens_share": 0.5, "request_cap_rate": 0.3},
+    {"request_cap_rate": 0.5, "gpu_cache_rate": 0.5, "shared_prefix_rate": 0.9},
+)
 
 
 @dataclass
 class Failure:
-    """The first failure a battery met: what broke, and how to replay it."""
+    """The first failure a battery met: what broke, where, and how to replay it."""
 
     kind: str
     ids: list[str]
     message: str
     reproducer: str
+    stage: str = ""
+    seed: str = ""
 
 
 @dataclass
 class BatteryResult:
-    """Per-invariant evaluation counts and the first failure, if any."""
+    """Per-invariant evaluation counts, seconds per stage and the first failure, if any."""
 
     checked: dict[str, int] = field(default_factory=dict)
     failure: Failure | None = None
     seconds: float = 0.0
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def classify(exc: BaseException) -> tuple[str, list[str]]:
@@ -72,7 +101,7 @@ def classify(exc: BaseException) -> tuple[str, list[str]]:
     if isinstance(exc, IntegrityError):
         return "integrity", ["integrity"]
     if isinstance(exc, ScenarioFailure):
-        return "integrity", ["scenario"]
+        return "integrity", [exc.id]
     if isinstance(exc, KVCopyError):
         return "invariant", ["B1"]
     if isinstance(exc, AssertionError) and "settle" in str(exc):
@@ -80,51 +109,74 @@ def classify(exc: BaseException) -> tuple[str, list[str]]:
     return "crash", [type(exc).__name__]
 
 
+@contextlib.contextmanager
+def _unmutated() -> Iterator[None]:
+    yield None
+
+
 def sim_options(seed: int, context: int = 400) -> SimOptions:
+    """The options ``kvcore check`` runs seed ``seed`` with (``simulate --check-options``).
+
+    Profiles cycle fastest, then the policy, then the variants, so every 24 seeds cover
+    each (profile, policy) pair under every variant.
+    """
     profile = PROFILES[seed % len(PROFILES)]
-    base: dict[str, Any] = {"num_cpu_blocks": 256, "num_gpu_blocks": 1500}
+    policy = POLICIES[(seed // len(PROFILES)) % len(POLICIES)]
+    variant = dict(VARIANTS[(seed // (len(PROFILES) * len(POLICIES))) % len(VARIANTS)])
+    share = variant.pop("max_offload_tokens_share", None)
+    if share is not None:
+        variant["max_offload_tokens"] = int(context * share)
+    base: dict[str, Any] = {"num_cpu_blocks": 256, "num_gpu_blocks": 1500, "policy": policy}
     base.update(profile)
+    base.update(variant)
     return SimOptions(seed=seed, requests=12, context_tokens=context, max_running=3,
                       prefill_budget=160, **base)
 
 
 def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
-             preset: str, factory: Any = None) -> None:
+             preset: str, apply: Apply = _unmutated) -> None:
+    """Seeded simulations, each in a fresh ``apply``; stops at the first failure."""
     for seed in range(seeds):
-        sim = Simulator(config, sim_options(seed), check=True, scheduler_factory=factory)
-        try:
-            sim.run()
-        except Exception as exc:  # every failure is reported, whatever its type
-            kind, ids = classify(exc)
-            result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                     f"kvcore simulate --preset {preset} --seed {seed} "
-                                     "--check-options")
-            return
-        finally:
-            sim.transfer.close()
-            for source in (sim.scheduler.checked, sim.checked, sim.manager.checked):
-                for key, n in source.items():
-                    result.checked[key] = result.checked.get(key, 0) + n
+        with apply() as factory:
+            sim = Simulator(config, sim_options(seed), check=True, scheduler_factory=factory)
+            try:
+                sim.run()
+            except Exception as exc:  # every failure is reported, whatever its type
+                kind, ids = classify(exc)
+                result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
+                                         f"kvcore simulate --preset {preset} --seed {seed} "
+                                         "--check-options", "simulations", str(seed))
+                return
+            finally:
+                sim.transfer.close()
+                for source in (sim.scheduler.checked, sim.checked, sim.manager.checked):
+                    for key, n in source.items():
+                        result.checked[key] = result.checked.get(key, 0) + n
 
 
 def run_machine(config: OffloadConfig, examples: int, steps: int, result: BatteryResult,
                 *, factory: Any = None, shrink: bool = True, database: Any = None,
-                device: str = "cpu") -> None:
-    machine = make_machine(config, scheduler_factory=factory, tally=result.checked,
-                           device=device)
-    phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
-    opts = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                    derandomize=database is None, database=database, phases=phases,
-                    suppress_health_check=list(HealthCheck), print_blob=True)
-    out = io.StringIO()
-    try:
-        with with_reporter(lambda s: print(s, file=out)), \
-                contextlib.redirect_stdout(out):
-            run_state_machine_as_test(machine, settings=opts)
-    except Exception as exc:  # the state machine re-raises the shrunk failure
-        kind, ids = classify(exc)
-        program = "\n".join(_notes(exc)) or out.getvalue().strip()
-        result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}", program)
+                device: str = "cpu", apply: Apply | None = None) -> None:
+    """The state machine over the simulator; ``apply`` (if given) wraps the whole run."""
+    trace: dict[str, Any] = {}
+    with (apply or _unmutated)() as mutated:
+        machine = make_machine(config, scheduler_factory=mutated or factory,
+                               tally=result.checked, device=device, trace=trace)
+        phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
+        opts = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
+                        derandomize=database is None, database=database, phases=phases,
+                        suppress_health_check=list(HealthCheck), print_blob=True)
+        out = io.StringIO()
+        try:
+            with with_reporter(lambda s: print(s, file=out)), \
+                    contextlib.redirect_stdout(out):
+                run_state_machine_as_test(machine, settings=opts)
+        except Exception as exc:  # the state machine re-raises the shrunk failure
+            kind, ids = classify(exc)
+            program = "\n".join(_notes(exc)) or out.getvalue().strip()
+            seed = " ".join(f"{k}={v}" for k, v in sorted(trace.items()))
+            result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}", program,
+                                     "state machine", seed)
 
 
 def _notes(exc: BaseException) -> list[str]:
@@ -137,28 +189,54 @@ def _notes(exc: BaseException) -> list[str]:
     return notes
 
 
-def run_directed(result: BatteryResult, *, factory: Any = None) -> None:
-    """The directed scenarios (their own tiny layouts), stopping at the first failure."""
+def run_directed(config: OffloadConfig, result: BatteryResult, *, preset: str = "",
+                 apply: Apply = _unmutated) -> None:
+    """The directed scenarios on ``config``, each in a fresh ``apply``; stops at the first
+    failure."""
     for scenario in SCENARIOS:
-        try:
-            scenario(factory or OffloadScheduler)
-        except Exception as exc:  # every failure is reported, whatever its type
-            kind, ids = classify(exc)
-            result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                     f"python -c 'from kvcore._scenarios import *; "
-                                     f"{scenario.__name__}(OffloadScheduler)'")
-            return
+        with apply() as factory:
+            try:
+                scenario(factory or OffloadScheduler, config)
+            except Exception as exc:  # every failure is reported, whatever its type
+                kind, ids = classify(exc)
+                layout_expr = f"preset({preset!r})" if preset else "<your config>"
+                result.failure = Failure(
+                    kind, ids, f"{type(exc).__name__}: {exc}",
+                    "python -c 'from kvcore._scenarios import *; from kvcore.zoo import "
+                    f"layout as preset; {scenario.__name__}(OffloadScheduler, {layout_expr})'",
+                    "directed", scenario.__name__)
+                return
 
 
 def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int,
-                steps: int, factory: Any = None, shrink: bool = True) -> BatteryResult:
+                steps: int, factory: Any = None, shrink: bool = True,
+                progress: Progress | None = None, apply: Apply | None = None
+                ) -> BatteryResult:
+    """Every stage in order, stopping at the first failure; ``progress`` gets one line per
+    stage as it ends. ``apply`` (a mutant's) is entered afresh per stage and per seed."""
     start = time.perf_counter()
     result = BatteryResult()
-    run_directed(result, factory=factory)
-    if result.failure is None:
-        run_sims(config, seeds, result, preset=preset, factory=factory)
-    if result.failure is None:
-        run_machine(config, examples, steps, result, factory=factory, shrink=shrink)
+    if apply is None:
+        @contextlib.contextmanager
+        def fixed() -> Iterator[Any]:
+            yield factory
+        apply = fixed
+    runs: dict[str, Callable[[], None]] = {
+        "directed": lambda: run_directed(config, result, preset=preset, apply=apply),
+        "simulations": lambda: run_sims(config, seeds, result, preset=preset, apply=apply),
+        "state machine": lambda: run_machine(config, examples, steps, result,
+                                             shrink=shrink, apply=apply),
+    }
+    for stage in STAGES:
+        t0 = time.perf_counter()
+        runs[stage]()
+        result.stages[stage] = time.perf_counter() - t0
+        if progress is not None:
+            state = "FAILED" if result.failure else "ok"
+            progress(f"  {stage:<14} {state:<6} {result.stages[stage]:6.1f}s "
+                     f"(total {time.perf_counter() - start:.1f}s)")
+        if result.failure is not None:
+            break
     result.seconds = time.perf_counter() - start
     return result
 
@@ -169,41 +247,112 @@ def invariant_table(result: BatteryResult) -> dict[str, dict[str, int]]:
             for i in INVARIANT_IDS}
 
 
+def invariant_legend() -> list[str]:
+    """One line per invariant id, from the catalogue: the first sentence of its predicate's
+    docstring (the rule it checks)."""
+    from kvcore.spec import invariants
+    lines: dict[str, str] = {}
+    for fns in invariants.PREDICATES.values():
+        for fn in fns:
+            key = invariants.PREDICATE_IDS[fn.__name__]
+            doc = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+            text = (doc.split(": ", 1)[1] if ": " in doc[:24] else doc).rstrip(".")
+            lines[key] = f"{lines[key]}; {text}" if key in lines else text
+    out = [f"{i}  {lines.get(i, '')}" for i in INVARIANT_IDS]
+    out.append("integrity  every block a completed load promised holds its key's bytes "
+               "(the simulator's byte check; directed scenarios' stale-block checks)")
+    out.append("liveness   every run settles: all requests finish, all jobs complete")
+    return out
+
+
 @dataclass
 class MutantOutcome:
+    """How the battery fared against one mutant.
+
+    ``status``: "killed" (by the declared check), "wrong check" (caught, but by another
+    check), "crash" (only a crash), "survived", or "n/a" (cannot matter on the layout).
+    """
+
     name: str
     origin: str
-    killed: bool
+    expected: str
+    status: str
     by: str
     preset: str
     seconds: float
+    stage: str = ""
+    seed: str = ""
+    fired: str = ""  # every id the failure named (``by`` is the declared one when killed)
+
+    @property
+    def killed(self) -> bool:
+        return self.status == "killed"
+
+    @property
+    def ok(self) -> bool:
+        """The zoo passes for this mutant: killed as declared, or not applicable."""
+        return self.status in ("killed", "n/a")
+
+    def describe(self) -> str:
+        if self.status == "wrong check":
+            return f"killed by {self.by}, expected {self.expected}"
+        if self.status == "n/a":
+            return "n/a on this layout"
+        if self.status == "crash":
+            return f"only crashed ({self.by})"
+        if self.status == "killed":
+            others = [i for i in self.fired.split(",") if i and i != self.by]
+            also = f" (also {','.join(others)})" if others else ""
+            return f"killed by {self.by}{also}"
+        return f"{self.status} (expected {self.expected})"
 
 
-def run_mutant(mutant: Mutant, presets: dict[str, OffloadConfig], *, seeds: int,
-               examples: int, steps: int) -> MutantOutcome:
+def run_mutant(mutant: Mutant, layouts: dict[str, OffloadConfig] | None = None, *,
+               seeds: int, examples: int, steps: int) -> MutantOutcome:
+    """The battery under ``mutant`` on each layout where it applies, until it is caught.
+
+    ``layouts`` is the user's layout (or several); None runs the mutant's own layouts.
+    """
     start = time.perf_counter()
-    for name in mutant.presets:
-        with mutant.apply() as factory:
-            result = run_battery(presets[name], preset=name, seeds=seeds,
-                                 examples=examples, steps=steps, factory=factory,
-                                 shrink=False)
+    if layouts is None:
+        layouts = {name: layout(name) for name in mutant.layouts}
+    tried: list[str] = []
+    for name, config in layouts.items():
+        if not mutant.applies(config):
+            continue
+        tried.append(name)
+        result = run_battery(config, preset=name, seeds=seeds, examples=examples,
+                             steps=steps, shrink=False, apply=mutant.apply)
         failure = result.failure
-        if failure is not None and failure.kind != "crash":
-            return MutantOutcome(mutant.name, mutant.origin, True, ",".join(failure.ids),
-                                 name, time.perf_counter() - start)
-        if failure is not None:
-            # A crash is not a catch: the checks must name what broke.
-            return MutantOutcome(mutant.name, mutant.origin, False,
-                                 f"crash: {failure.message[:80]}", name,
-                                 time.perf_counter() - start)
-    return MutantOutcome(mutant.name, mutant.origin, False, "", ",".join(mutant.presets),
-                         time.perf_counter() - start)
+        if failure is None:
+            continue
+        fired = ",".join(failure.ids)
+        by = fired
+        if failure.kind == "crash":
+            status = "crash"  # a crash is not a catch: the checks must name what broke
+            by = f"{fired}: {failure.message[:80]}"
+        elif mutant.expect in failure.ids:
+            status, by = "killed", mutant.expect
+        else:
+            status = "wrong check"
+        return MutantOutcome(mutant.name, mutant.origin, mutant.expect, status, by, name,
+                             time.perf_counter() - start, failure.stage, failure.seed, fired)
+    status = "survived" if tried else "n/a"
+    return MutantOutcome(mutant.name, mutant.origin, mutant.expect, status, "",
+                         ",".join(tried or layouts), time.perf_counter() - start)
 
 
-def run_mutants(presets: dict[str, OffloadConfig], *, seeds: int, examples: int,
-                steps: int) -> list[MutantOutcome]:
-    return [run_mutant(m, presets, seeds=seeds, examples=examples, steps=steps)
-            for m in MUTANTS]
+def run_mutants(layouts: dict[str, OffloadConfig] | None = None, *, seeds: int,
+                examples: int, steps: int, progress: Progress | None = None
+                ) -> list[MutantOutcome]:
+    outcomes: list[MutantOutcome] = []
+    for m in MUTANTS:
+        outcome = run_mutant(m, layouts, seeds=seeds, examples=examples, steps=steps)
+        outcomes.append(outcome)
+        if progress is not None:
+            where = f" in {outcome.stage} {outcome.seed}" if outcome.stage else ""
+            progress(f"  {m.name:<30} {outcome.describe()}{where} ({outcome.seconds:.1f}s)")
+    return outcomes
 
 
 def proofs_dir() -> Path | None:

@@ -1,14 +1,23 @@
-"""Directed scenarios: short scripted runs for rules random workloads reach only rarely.
+"""Directed scenarios: short scripted runs, on the user's layout, for rules that random
+workloads reach only rarely.
 
-Each drives a scheduler and manager through the public hooks, with checks on, on a tiny
-layout of its own. ``kvcore check`` runs them before the random battery, so a mutant of a
-rarely exercised rule (a lookup while jobs are in flight, a draft group re-verified after
-another group shrinks the boundary) is still caught within the CI budget.
+Each drives a scheduler and manager through the public hooks, with checks on, on the
+layout under test shrunk to a small GPU and CPU pool; the manager runs in lock step with
+the reference manager (M2). ``kvcore check`` runs them before
+the random battery, so a mutant of a rarely exercised rule (a lookup while jobs are in
+flight, a store issued during a load, a draft group re-verified after another group
+shrinks the boundary, a hit below one chunk, PENDING read as a miss) is caught within
+the CI budget. The lookup scenario puts crafted tier contents in front of the lookup:
+the tier may hold any chunks (another engine stored them, the keep rule changed, a
+store was evicted half way), and the answer must be the spec's whatever it holds.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kvcore.manager import CPUOffloadManager
@@ -19,80 +28,25 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
-from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, make_key
+from kvcore.sim._shadow import ShadowedManager
+from kvcore.spec.types import GroupKind, OffloadConfig, StoreLevel, cdiv, group_keys
 
 Factory = Callable[..., OffloadScheduler]
 
-
-def _hashes(n: int, salt: int = 0) -> tuple[bytes, ...]:
-    return tuple(f"h{salt}:{i}".encode() for i in range(n))
-
-
-def _store_ready(manager: CPUOffloadManager, keys: list[bytes]) -> None:
-    out = manager.prepare_store(keys)
-    if out is not None:
-        manager.complete_store(list(out.keys_to_store))
-
-
-def lookup_with_store_in_flight(factory: Factory) -> None:
-    """J1: a preempted request asks again while its store is in flight.
-
-    Its GPU prefix cache covers the chunks being written, so no key it reads is PENDING;
-    only the job table can say "wait".
-    """
-    cfg = OffloadConfig((GroupSpec(GroupKind.FULL, 16),), hash_block_tokens=16,
-                        num_gpu_blocks=64, num_cpu_blocks=32)
-    sched = factory(cfg, CPUOffloadManager(32, check=True), check=True)
-    sched.add_request(RequestInfo("a", 64, _hashes(4)))
-    sched.lookup("a", 0, 64)
-    plan = sched.build_step(StepInput((ScheduledRequest("a", 32, 0, 64, ((1, 2),)),),
-                                      allocated_ids=frozenset({1, 2})))
-    assert_true(bool(plan.stores), "the first prefill chunk should be stored")
-    sched.build_step(StepInput(preempted=("a",)))
-    sched.lookup("a", 32, 64)
-
-
-def draft_reverified_after_shrink(factory: Factory) -> None:
-    """E3: a draft group verified first is re-verified when a later group shrinks the
-    boundary below it, extra chunk included."""
-    groups = (GroupSpec(GroupKind.FULL, 16, is_draft=True), GroupSpec(GroupKind.MAMBA, 16))
-    cfg = OffloadConfig(groups, hash_block_tokens=16, num_gpu_blocks=64, num_cpu_blocks=64,
-                        speculative=True)
-    manager = CPUOffloadManager(64, check=True)
-    sched = factory(cfg, manager, check=True)
-    hashes = _hashes(8)
-    _store_ready(manager, [make_key(h, 0) for h in hashes])
-    _store_ready(manager, [make_key(hashes[i], 1) for i in (0, 1, 2, 3, 4)])
-    sched.add_request(RequestInfo("a", 128, hashes))
-    sched.lookup("a", 0, 128)
-
-
-def stale_window_block_after_refused_store(factory: Factory) -> None:
-    """Stale blocks: a window chunk whose store was refused (no room) is not stored later
-    from a block the engine has since re-allocated."""
-    groups = (GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING, 4, window_tokens=4))
-    cfg = OffloadConfig(groups, hash_block_tokens=4, num_gpu_blocks=16, num_cpu_blocks=4)
-    manager = CPUOffloadManager(4, check=True)
-    sched = factory(cfg, manager, check=True)
-    _store_ready(manager, [make_key(h, 0) for h in _hashes(4, salt=9)])
-    pin = [make_key(h, 0) for h in _hashes(4, salt=9)]
-    manager.prepare_load(pin)
-    sched.add_request(RequestInfo("a", 8, _hashes(2)))
-    sched.lookup("a", 0, 8)
-    sched.build_step(StepInput((ScheduledRequest("a", 8, 0, 8, ((1, 2), (3, 4))),),
-                               allocated_ids=frozenset({1, 2, 3, 4})))
-    manager.complete_load(pin)
-    plan = sched.build_step(StepInput((ScheduledRequest("a", 1, 8, 9, ((5,), (5,))),),
-                                      allocated_ids=frozenset({3, 5})))
-    for store in plan.stores:
-        window = store.groups[1]
-        assert_true(3 not in window.gpu_block_ids,
-                    "GPU block 3 was freed and re-allocated, yet stored under its old key")
-        sched.worker_output([WorkerReport(0, store.job_id)])
+# Crafted lookups per layout, and the longest request they use (in units of every chunk
+# size, or of the widest window): enough for every rule to matter, small enough for the
+# spec's exhaustive hit.
+LOOKUP_CASES = 120
+LOOKUP_MAX_UNITS = 3
 
 
 class ScenarioFailure(AssertionError):
-    """A directed scenario saw behaviour the spec forbids (outside the runtime checks)."""
+    """A directed scenario saw behaviour the spec forbids (outside the runtime checks);
+    ``id`` is the check it stands for (``integrity``: bytes stored under a wrong key)."""
+
+    def __init__(self, message: str, id: str = "integrity") -> None:
+        super().__init__(message)
+        self.id = id
 
 
 def assert_true(condition: bool, message: str) -> None:
@@ -100,14 +54,286 @@ def assert_true(condition: bool, message: str) -> None:
         raise ScenarioFailure(message)
 
 
-SCENARIOS: tuple[Callable[[Factory], None], ...] = (
+def _hashes(n: int, salt: int = 0) -> tuple[bytes, ...]:
+    return tuple(f"h{salt}:{i}".encode() for i in range(n))
+
+
+def unit_tokens(cfg: OffloadConfig) -> int:
+    """The smallest token count that is a whole number of every group's chunks."""
+    return math.lcm(cfg.hash_block_tokens, cfg.mamba_align_tokens or 1,
+                    *(g.tokens_per_chunk for g in cfg.groups))
+
+
+def small(cfg: OffloadConfig, cpu: int = 4096, gpu: int = 4096) -> OffloadConfig:
+    return replace(cfg, num_gpu_blocks=gpu, num_cpu_blocks=cpu, num_workers=1)
+
+
+def _ids(cfg: OffloadConfig, tokens: int, first: int, resume: int = 0
+         ) -> tuple[tuple[int, ...], ...]:
+    """Distinct GPU ids from ``first`` covering ``tokens`` in every group; a window
+    group's blocks before what it needs when computing resumes at ``resume`` are null,
+    as the engine leaves them."""
+    out: list[tuple[int, ...]] = []
+    for g in cfg.groups:
+        n = cdiv(tokens, g.tokens_per_block)
+        floor = 0
+        if g.kind is GroupKind.SLIDING:
+            floor = max(0, (resume - g.reach_tokens) // g.tokens_per_block)
+        elif g.kind is GroupKind.MAMBA:
+            floor = max(0, resume // g.tokens_per_block - 1)
+        out.append((0,) * min(floor, n) + tuple(range(first, first + n - min(floor, n))))
+        first += n
+    return tuple(out)
+
+
+def _store_ready(manager: Any, keys: list[bytes]) -> None:
+    out = manager.prepare_store(keys)
+    if out is not None:
+        manager.complete_store(list(out.keys_to_store))
+
+
+def _prefill_with_store(factory: Factory, cfg: OffloadConfig, manager: Any
+                        ) -> tuple[OffloadScheduler, int, Any] | None:
+    """A request of four units whose first three are prefilled: the step stores them."""
+    unit = unit_tokens(cfg)
+    n = 4 * unit
+    sched = factory(cfg, manager, check=True)
+    sched.add_request(RequestInfo("a", n, _hashes(n // cfg.hash_block_tokens)))
+    sched.lookup("a", 0, n)
+    ids = _ids(cfg, 3 * unit, 1)
+    plan = sched.build_step(StepInput((ScheduledRequest("a", 3 * unit, 0, n, ids),),
+                                      allocated_ids=frozenset(i for t in ids for i in t if i)))
+    if not plan.stores:
+        return None  # the layout stores nothing here (e.g. max_offload_tokens=0)
+    return sched, 3 * unit, plan
+
+
+def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None:
+    """J1: a preempted request asks again while its store is in flight.
+
+    Its GPU prefix cache covers the chunks being written, so no key it reads is PENDING;
+    only the job table can say "wait".
+    """
+    cfg = small(config)
+    got = _prefill_with_store(factory, cfg, ShadowedManager(cfg.num_cpu_blocks))
+    if got is None:
+        return
+    sched, done, _ = got
+    sched.build_step(StepInput(preempted=("a",)))
+    sched.lookup("a", done, 4 * unit_tokens(cfg))
+
+
+def store_during_load(factory: Factory, config: OffloadConfig) -> None:
+    """J1 at job creation: a request whose load is in flight is given no store job.
+
+    The engine's GPU prefix cache holds the first unit (absent from the tier) and the
+    tier the rest; the engine counts the loading request's hit as computed (vLLM does).
+    At the request store level the cursor still stands at 0, so the cached unit looks
+    storable: a store job now would sit beside the load. Run at both store levels.
+    """
+    unit = unit_tokens(config)
+    n = 4 * unit
+    for level in (StoreLevel.REQUEST, config.store_level):
+        cfg = replace(small(config), store_level=level)
+        manager = ShadowedManager(cfg.num_cpu_blocks)
+        hashes = _hashes(n // cfg.hash_block_tokens, salt=3)
+        for group, g in enumerate(cfg.groups):
+            _store_ready(manager, group_keys(cfg, group, hashes)[unit // g.tokens_per_chunk:])
+        sched = factory(cfg, manager, check=True)
+        sched.add_request(RequestInfo("a", n, hashes))
+        hit = sched.lookup("a", unit, n)
+        if not isinstance(hit, int) or hit == 0:
+            continue
+        ids = _ids(cfg, unit + hit, 1, resume=unit + hit)
+        valid = [unit // g.tokens_per_block for g in cfg.groups]
+        sched.after_alloc("a", ids, valid, unit, hit)
+        sched.build_step(StepInput((ScheduledRequest("a", 0, unit + hit, n, ids),),
+                                   allocated_ids=frozenset(i for t in ids for i in t if i)))
+
+
+def draft_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> None:
+    """E3: a draft group verified first is re-verified when a later group shrinks the
+    boundary below it, extra chunk included. Every group holds four units of chunks but
+    the last group in lookup order, which holds a unit less; a second lookup starts one
+    unit in (the GPU prefix cache covers it)."""
+    cfg = small(config)
+    if not any(g.is_draft for g in cfg.groups):
+        return
+    from kvcore.scheduler._lookup import lookup_order
+    last = lookup_order(cfg)[-1]
+    unit = unit_tokens(cfg)
+    n = 4 * unit + cfg.hash_block_tokens
+    hashes = _hashes(n // cfg.hash_block_tokens, salt=5)
+    manager = ShadowedManager(cfg.num_cpu_blocks)
+    for group in range(len(cfg.groups)):
+        keys = group_keys(cfg, group, hashes)
+        if group == last:
+            keys = keys[:(3 * unit) // cfg.groups[group].tokens_per_chunk]
+        _store_ready(manager, keys)
+    sched = factory(cfg, manager, check=True)
+    sched.add_request(RequestInfo("a", n, hashes))
+    sched.lookup("a", 0, n)
+    sched.lookup("a", unit, n)
+
+
+def stale_window_block_after_refused_store(factory: Factory, config: OffloadConfig) -> None:
+    """Stale blocks: window blocks the engine freed and handed out again are not stored
+    under their old keys, whether the store was refused (no room) and is retried, or a
+    reset moved the cursor back behind them."""
+    windows = [i for i, g in enumerate(config.groups) if g.kind is not GroupKind.FULL]
+    if not windows:
+        return
+    for refused in (True, False):
+        _stale_blocks_once(factory, config, windows, refused)
+
+
+def _stale_blocks_once(factory: Factory, config: OffloadConfig, windows: list[int],
+                       refused: bool) -> None:
+    # A unit wider than every window, so blocks leave the window within the request.
+    base = unit_tokens(config)
+    unit = base * max(1, cdiv(max(config.groups[i].reach_tokens for i in windows) + 1, base))
+    other = _hashes(4 * unit // config.hash_block_tokens, salt=9)
+    pin = [k for group in range(len(config.groups))
+           for k in group_keys(config, group, other)][:64]
+    cfg = small(config, cpu=len(pin) if refused else 4096)
+    manager = ShadowedManager(cfg.num_cpu_blocks)
+    if refused:
+        _store_ready(manager, pin)
+        manager.prepare_load(pin)  # the tier is full, nothing evictable: stores refused
+    sched = factory(cfg, manager, check=True)
+    n, total = 2 * unit, 3 * unit
+    sched.add_request(RequestInfo("a", total, _hashes(total // cfg.hash_block_tokens)))
+    sched.lookup("a", 0, total)
+    ids = _ids(cfg, n, 1)
+    first = sched.build_step(StepInput((ScheduledRequest("a", n, 0, total, ids),),
+                                       allocated_ids=frozenset(i for t in ids for i in t)))
+    if refused:
+        manager.complete_load(pin)
+    else:
+        sched.worker_output([WorkerReport(0, s.job_id) for s in first.stores])
+    # The engine frees the window blocks that left the window by the end of this step
+    # and hands them to another request; request "a" gets fresh blocks for its next unit.
+    floors = _ids(cfg, n, 0, resume=total)
+    reused = frozenset(ids[i][p] for i in windows for p, b in enumerate(floors[i]) if not b)
+    more = _ids(cfg, unit, 1 + sum(len(t) for t in ids))
+    plans = [sched.build_step(StepInput((ScheduledRequest("a", unit, n, total, more),),
+                                        allocated_ids=reused | {b for t in more for b in t}))]
+    if not refused:
+        # A reset moves the cursor back to 0: the next step offers every chunk again.
+        sched.worker_output([WorkerReport(0, s.job_id) for s in plans[0].stores])
+        sched.reset()
+        plans.append(sched.build_step(StepInput((ScheduledRequest("a", 0, total, total),))))
+    for plan in plans:
+        for store in plan.stores:
+            for group in windows:
+                stale = reused & set(store.groups[group].gpu_block_ids)
+                assert_true(not stale, f"group {group}: GPU blocks {sorted(stale)[:4]} were "
+                            "freed and re-allocated, yet stored under their old keys")
+            if sched.job_in_flight(store.job_id):
+                sched.worker_output([WorkerReport(0, store.job_id)])
+
+
+def finished_then_follow_ups(factory: Factory, config: OffloadConfig) -> None:
+    """Integrity after finish: A is prefilled to one token short of two units, samples
+    the token that completes them (it has no KV yet) and is aborted once its stores
+    landed; B extends A by a unit and C shares B's extension. Every load must bring back
+    the bytes a prefill computed, never a chunk stored from A's unwritten tail."""
+    from kvcore.sim import SimOptions, Simulator
+    unit = unit_tokens(config)
+    opts = SimOptions(seed=0, requests=0, context_tokens=unit, max_new_tokens=8,
+                      prefill_budget=4 * unit, max_running=1, fail_rate=0.0,
+                      delay_rate=0.0, abort_rate=0.0, reset_rate=0.0, num_workers=1,
+                      num_gpu_blocks=None, num_cpu_blocks=4096, policy="lru")
+    sim = Simulator(config, opts, check=True, scheduler_factory=factory)
+    try:
+        a = sim.reqs[sim.add_request(sim.prompts.tokens(2 * unit - 1))]
+        sim.step()
+        sim.deliver_reports_now()
+        sim.abort(a.request_id)
+        _settle(sim)
+        b = sim.reqs[sim.add_request(a.tokens + sim.prompts.tokens(unit))]
+        _settle(sim)
+        sim.add_request(b.tokens[:len(a.tokens) + unit] + sim.prompts.tokens(unit))
+        _settle(sim)
+        assert_true(sim.counters.loads_verified > 0, "follow-ups loaded nothing")
+    finally:
+        sim.transfer.close()
+
+
+def _settle(sim: Any, limit: int = 2000) -> None:
+    for _ in range(limit):
+        if sim.done():
+            return
+        sim.step()
+    raise AssertionError(f"directed run did not settle in {limit} steps")
+
+
+def crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
+    """L1/L2/E3/E4 on crafted tier contents: every lookup answer must be the spec's.
+
+    Each case gives every group its own covered prefix with holes and WRITING keys, a
+    GPU-cached start (computed tokens) and a length, so groups shrink each other's
+    boundary (re-verification, one pop per cycle), hits fall below one chunk of the
+    largest group, unknown keys decide the answer or do not, and, in some cases, a
+    second request is loading chunks the first would read. The settled cases (no key
+    WRITING, nothing loading) come first, so a wrong hit is named by L1/E3/E4 before a
+    case with unknown keys can name it by L2.
+    """
+    rng = random.Random(f"lookups:{config.name}:{len(config.groups)}")
+    unit = unit_tokens(config)
+    cfg = small(config, cpu=1 << 16)
+    hbt = cfg.hash_block_tokens
+    reach = max(g.reach_tokens + g.tokens_per_chunk for g in cfg.groups)
+    longest = LOOKUP_MAX_UNITS * max(unit, reach)
+    for case in range(LOOKUP_CASES):
+        settled = case < LOOKUP_CASES // 2
+        n = rng.choice([rng.randrange(1, longest) + hbt,
+                        unit * rng.randrange(1, longest // unit + 2)])
+        hashes = _hashes(n // hbt, salt=100 + case)
+        manager = CPUOffloadManager(cfg.num_cpu_blocks, check=True)
+        hole = rng.choice([0.0, 0.05, 0.2])
+        writing = 0.0 if settled else rng.choice([0.02, 0.1, 0.3])
+        for group in range(len(cfg.groups)):
+            keys = group_keys(cfg, group, hashes)
+            end = rng.choice([len(keys), len(keys), rng.randrange(len(keys) + 1)])
+            ready: list[bytes] = []
+            pending: list[bytes] = []
+            for key in keys[:end]:
+                r = rng.random()
+                if r < hole:
+                    continue
+                (pending if r < hole + writing else ready).append(key)
+            _store_ready(manager, ready)
+            manager.prepare_store(pending)
+        sched = factory(cfg, manager, check=True)
+        if not settled and rng.random() < 0.4:
+            _other_request_loading(sched, cfg, hashes, n)
+        sched.add_request(RequestInfo("a", n, hashes))
+        computed = rng.choice([0, 0, rng.randrange(0, n + 1) // hbt * hbt])
+        sched.lookup("a", computed, n)
+
+
+def _other_request_loading(sched: OffloadScheduler, cfg: OffloadConfig,
+                           hashes: tuple[bytes, ...], n: int) -> None:
+    """Request "b" with the same prefix looks up and starts loading what it hits."""
+    sched.add_request(RequestInfo("b", n, hashes))
+    hit = sched.lookup("b", 0, n)
+    if isinstance(hit, int) and hit > 0:
+        ids = _ids(cfg, hit, 1, resume=hit)
+        sched.after_alloc("b", ids, [0] * len(cfg.groups), 0, hit)
+
+
+SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
+    store_during_load,
     draft_reverified_after_shrink,
     stale_window_block_after_refused_store,
+    finished_then_follow_ups,
+    crafted_lookups,
 )
 
 
-def run_scenarios(factory: Any = None) -> None:
-    """Run every scenario; the first failure propagates."""
+def run_scenarios(config: OffloadConfig, factory: Any = None) -> None:
+    """Run every scenario on ``config``; the first failure propagates."""
     for scenario in SCENARIOS:
-        scenario(factory or OffloadScheduler)
+        scenario(factory or OffloadScheduler, config)

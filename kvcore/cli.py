@@ -158,21 +158,24 @@ def _proof_status(ok: object) -> str:
     return "inconclusive" if ok == "inconclusive" else "FAILED"
 
 
-def _run_mutants(args: argparse.Namespace, report: dict[str, Any]) -> bool:
-    """Run the bug zoo; True when every mutant was killed."""
+def _run_mutants(args: argparse.Namespace, report: dict[str, Any], name: str,
+                 config: Any, progress: Any) -> bool:
+    """Run the bug zoo on the user's layout; True when every mutant that can matter there
+    was killed by its declared check."""
     from kvcore import _check
-    from kvcore.presets import PRESETS, preset
-    layouts = {n: preset(n) for n in PRESETS}
-    outcomes = _check.run_mutants(layouts, seeds=args.seeds, examples=args.examples,
-                                  steps=args.steps)
-    report["mutants"] = {o.name: {"killed": o.killed, "by": o.by, "preset": o.preset,
+    print(f"\nbug zoo on {name}:", flush=True)
+    outcomes = _check.run_mutants({name: config}, seeds=args.seeds, examples=args.examples,
+                                  steps=args.steps, progress=progress)
+    report["mutants"] = {o.name: {"status": o.status, "killed": o.killed, "by": o.by,
+                                  "expected": o.expected, "fired": o.fired,
+                                  "stage": o.stage, "seed": o.seed, "preset": o.preset,
                                   "origin": o.origin, "seconds": round(o.seconds, 2)}
                          for o in outcomes}
     print()
-    _print_table([[o.name, "killed" if o.killed else "SURVIVED", o.by, o.preset,
-                   f"{o.seconds:.1f}s"] for o in outcomes],
-                 ["mutant", "result", "caught by", "layout", "time"])
-    return all(o.killed for o in outcomes)
+    _print_table([[o.name, o.describe(), o.expected, o.stage, o.seed, f"{o.seconds:.1f}s"]
+                  for o in outcomes],
+                 ["mutant", "result", "expected", "stage", "seed", "time"])
+    return all(o.ok for o in outcomes)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -193,17 +196,27 @@ def cmd_check(args: argparse.Namespace) -> int:
         inconclusive = status == "inconclusive"
         if status == "FAILED":
             code = EXIT_FAIL
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    print("battery:", flush=True)
     result = _check.run_battery(config, preset=name, seeds=args.seeds,
-                                examples=args.examples, steps=args.steps)
+                                examples=args.examples, steps=args.steps, progress=progress)
     table = _check.invariant_table(result)
     report["invariants"] = table
     report["seconds"] = round(result.seconds, 2)
+    report["stages"] = {k: round(v, 2) for k, v in result.stages.items()}
+    print()
     _print_table([[i, str(v["checked"]), str(v["violations"])] for i, v in table.items()],
                  ["invariant", "checked", "violations"])
+    print("\nlegend:")
+    for line in _check.invariant_legend():
+        print(f"  {line}")
     if result.failure is not None:
         report["failure"] = asdict(result.failure)
         code = _report_failure(result.failure)
-    if args.mutants and not _run_mutants(args, report):
+    if args.mutants and not _run_mutants(args, report, name, config, progress):
         code = code or EXIT_FAIL
     if code == EXIT_OK and inconclusive:
         code = EXIT_INCONCLUSIVE

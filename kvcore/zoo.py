@@ -25,24 +25,37 @@ from kvcore.scheduler import (
     _store,
 )
 from kvcore.scheduler import scheduler as _sched
+from kvcore.scheduler._lookup import Convergence
 from kvcore.scheduler._rules import GroupOffer
 from kvcore.scheduler._state import JobTable
-from kvcore.spec.invariants import Skip
-from kvcore.spec.plans import GroupTransfer, TransferPlan
-from kvcore.spec.types import OffloadConfig
+from kvcore.spec.errors import InvariantViolation
+from kvcore.spec.invariants import Skip, TraceEntry, Violation
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
+from kvcore.spec.types import PENDING, GroupKind, GroupSpec, OffloadConfig, Status
 
 Factory = Callable[..., OffloadScheduler]
 
 
+def _always(_cfg: OffloadConfig) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Mutant:
-    """A re-created bug: where it came from, the layouts that show it, how to apply it."""
+    """A re-created bug: where it came from, the layouts that show it, how to apply it.
+
+    ``expect`` is the check that must catch it (an invariant id, or ``integrity``);
+    ``applies`` says whether the bug can change behaviour on a layout at all (else the
+    mutant is reported "n/a on this layout"); ``layouts`` are the presets (or zoo
+    layouts, ``LAYOUTS``) it is run on when the user names none.
+    """
 
     name: str
     origin: str
-    presets: tuple[str, ...]
+    layouts: tuple[str, ...]
     expect: str
     apply: Callable[[], contextlib.AbstractContextManager[Factory | None]]
+    applies: Callable[[OffloadConfig], bool] = _always
 
 
 # -- store rules -------------------------------------------------------------------------
@@ -103,21 +116,83 @@ def _pop_patch(rule: Callable[[OffloadConfig, int, int], int]) -> Callable[[], A
     return apply
 
 
-@contextlib.contextmanager
-def _pending_as_hit() -> Iterator[None]:
-    original = _lookup.converge
-    calls: list[int] = []
+def _lookup_hit_patch(mode: str) -> Callable[[], Any]:
+    """The lookup's PENDING rule broken: ``as-hit`` answers with PENDING read as HIT (no
+    second run); ``as-miss`` with PENDING read as MISS; ``any-unknown`` answers PENDING
+    whenever a scanned key is unknown, even when the answer cannot change (vLLM 0.33).
+    Stateless, so one lookup's answer never leaks into another's."""
+    def _lookup_hit(self: OffloadScheduler, req: Any, computed: int, num_tokens: int
+                    ) -> tuple[Any, Any, dict[tuple[int, int], Status]]:
+        statuses: dict[tuple[int, int], Status] = {}
 
+        def status(group: int, idx: int) -> Status:
+            if (group, idx) not in statuses:
+                statuses[(group, idx)] = self.manager.lookup(req.keys[group][idx])
+            return statuses[(group, idx)]
+        num_keys = [len(k) for k in req.keys]
+        hits = (Status.HIT,) if mode == "as-miss" else (Status.HIT, Status.PENDING)
+        # The module's name, not _lookup's: a patched loop (another mutant) is seen too.
+        conv = _sched.converge(  # type: ignore[attr-defined]
+            self.config, computed, num_tokens, num_keys, lambda g, i: status(g, i) in hits)
+        if mode == "any-unknown" and Status.PENDING in statuses.values():
+            return PENDING, conv, statuses
+        if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
+            return PENDING, conv, statuses
+        return conv.hit, conv, statuses
+    return _method_patch(OffloadScheduler, "_lookup_hit", lambda _orig: _lookup_hit)
+
+
+def _converge_patch(*, min_per_group: bool = False, rearm_on_draft_shrink: bool = True,
+                    reverify_mamba: bool = True) -> Callable[[], Any]:
+    """kvcore's convergence loop with one of vLLM 0.33's rules put back (a differential
+    run against its lookup showed each): the one-chunk minimum checked per group against
+    that group's own chunk when it is visited, so a group visited before the last shrink
+    is never re-checked; re-verification only after a non-draft group shrinks the
+    boundary; Mamba groups never re-verified, so a shrink leaves the hit off their chunk."""
     def converge(cfg: OffloadConfig, computed: int, num_tokens: int, num_keys: Any,
-                 is_hit: Any, extra_chunks: Any = None) -> Any:
-        calls.append(1)
-        if len(calls) % 2 == 0:  # the pessimistic run: answer as the optimistic one did
-            return converge.last  # type: ignore[attr-defined]
-        converge.last = original(  # type: ignore[attr-defined]
-            cfg, computed, num_tokens, num_keys, is_hit)
-        return converge.last  # type: ignore[attr-defined]
-    with mock.patch.object(_sched, "converge", converge):
-        yield None
+                 is_hit: Any, extra_chunks: Any = None) -> Convergence:
+        min_new = max(g.tokens_per_chunk for g in cfg.groups)
+        boundary = _rules.lookup_limit(cfg, num_tokens)
+        for i, g in enumerate(cfg.groups):
+            boundary = min(boundary, max(num_keys[i] - g.extra_chunks, 0) * g.tokens_per_chunk)
+        trace: list[TraceEntry] = []
+        floor0 = min(g.tokens_per_chunk for g in cfg.groups) if min_per_group else min_new
+        if boundary - computed < floor0:
+            return Convergence(0, ())
+        order = _lookup.lookup_order(cfg)
+        verified_at: dict[int, int] = {}
+        armed = dict.fromkeys(order, True)  # whether a draft group pops at its next visit
+        pending = list(order)
+        for _ in range(boundary - computed + 2):
+            shrunk_by_plain = False
+            for group in pending:
+                g = cfg.groups[group]
+                extra = g.extra_chunks if armed[group] else 0
+                armed[group] = rearm_on_draft_shrink
+                result, query = _lookup.largest_supported(
+                    g, group, boundary, computed, num_keys[group], is_hit, extra)
+                trace.append(TraceEntry(group, boundary, query, result, extra))
+                floor = g.tokens_per_chunk if min_per_group else min_new
+                if result - computed < floor:
+                    return Convergence(0, tuple(trace))
+                shrunk_by_plain |= result < boundary and not g.is_draft
+                boundary = result
+                verified_at[group] = boundary
+            if shrunk_by_plain:
+                armed = dict.fromkeys(order, True)
+            pending = [g for g in order if verified_at[g] > boundary
+                       and _lookup._needs_reverify(cfg.groups[g])
+                       and (reverify_mamba or cfg.groups[g].kind is not GroupKind.MAMBA)]
+            if not pending:
+                return Convergence(boundary - computed, tuple(trace))
+        raise InvariantViolation([Violation("E3", "lookup convergence loop exceeded its "
+                                            "bound", {"computed": computed})])
+
+    @contextlib.contextmanager
+    def apply() -> Iterator[None]:
+        with mock.patch.object(_sched, "converge", converge):
+            yield None
+    return apply
 
 
 # -- jobs, fence, copies -----------------------------------------------------------------
@@ -214,6 +289,17 @@ class _FinishStoresUnwritten(OffloadScheduler):
         return replace(plan, stores=plan.stores + extra)
 
 
+def _store_ignores_loads(original: Any) -> Any:
+    def _store_step(self: OffloadScheduler, req: Any, sr: ScheduledRequest) -> Any:
+        loads = {j for j in req.jobs if self._jobs.jobs[j].plan.kind is JobKind.LOAD}
+        req.jobs -= loads
+        try:
+            return original(self, req, sr)
+        finally:
+            req.jobs |= loads
+    return _store_step
+
+
 @contextlib.contextmanager
 def _factory(cls: type[OffloadScheduler]) -> Iterator[Factory]:
     yield cls
@@ -231,44 +317,145 @@ def _pop_once_only(cfg: OffloadConfig, group: int, n: int) -> int:
     return 1 if cfg.groups[group].is_draft and n == 0 else 0
 
 
+def _two_draft_windows() -> OffloadConfig:
+    """Two draft window groups of one chunk each (an MTP model whose drafter has two
+    window caches), beside full attention: a draft group may shrink another's boundary."""
+    groups = (GroupSpec(GroupKind.FULL, 16, name="attn"),
+              GroupSpec(GroupKind.SLIDING, 16, window_tokens=16, is_draft=True, name="swa1"),
+              GroupSpec(GroupKind.SLIDING, 16, blocks_per_chunk=2, window_tokens=32,
+                        is_draft=True, name="swa2"))
+    return OffloadConfig(groups, hash_block_tokens=16, num_gpu_blocks=8192,
+                         num_cpu_blocks=16384, speculative=True, name="two-draft-windows")
+
+
+def _mamba_and_window() -> OffloadConfig:
+    """Full attention, Mamba state per 64 tokens and a 32-token window of 16-token chunks:
+    the window group, verified after the Mamba group, can shrink the boundary off a Mamba
+    chunk end."""
+    groups = (GroupSpec(GroupKind.FULL, 16, name="attn"),
+              GroupSpec(GroupKind.MAMBA, 64, name="ssm"),
+              GroupSpec(GroupKind.SLIDING, 16, window_tokens=32, name="swa"))
+    return OffloadConfig(groups, hash_block_tokens=16, num_gpu_blocks=8192,
+                         num_cpu_blocks=16384, name="mamba-and-window")
+
+
+# Layouts the zoo runs on besides the presets: each shows a mutant no preset can.
+LAYOUTS: dict[str, Callable[[], OffloadConfig]] = {
+    "two-draft-windows": _two_draft_windows,
+    "mamba-and-window": _mamba_and_window,
+}
+
+
+def _has_draft(cfg: OffloadConfig) -> bool:
+    return any(g.is_draft for g in cfg.groups)
+
+
+def _has_plain(cfg: OffloadConfig) -> bool:
+    return any(not g.is_draft for g in cfg.groups)
+
+
+def _has_window(cfg: OffloadConfig) -> bool:
+    return any(g.kind is not GroupKind.FULL for g in cfg.groups)
+
+
+def _draft_window_kept(cfg: OffloadConfig) -> bool:
+    return any(g.is_draft and _rules.keep_rule(cfg, i) is not None
+               for i, g in enumerate(cfg.groups))
+
+
+def _draft_then_other(cfg: OffloadConfig) -> bool:
+    """A draft group verified before another group, which may then shrink its boundary."""
+    order = _lookup.lookup_order(cfg)
+    return any(cfg.groups[g].is_draft for g in order[:-1])
+
+
+def _chunk_sizes_differ(cfg: OffloadConfig) -> bool:
+    return len({g.tokens_per_chunk for g in cfg.groups}) > 1
+
+
+def _two_drafts(cfg: OffloadConfig) -> bool:
+    return sum(g.is_draft for g in cfg.groups) >= 2
+
+
+def _mamba_shrunk_off_chunk(cfg: OffloadConfig) -> bool:
+    """A Mamba group verified before a group whose chunk is smaller than its own."""
+    order = _lookup.lookup_order(cfg)
+    for pos, g in enumerate(order):
+        spec = cfg.groups[g]
+        if spec.kind is GroupKind.MAMBA and any(
+                cfg.groups[h].tokens_per_chunk < spec.tokens_per_chunk
+                for h in order[pos + 1:]):
+            return True
+    return False
+
+
+V4 = "deepseek-v4-mtp"
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("draft-tail-stored", "vllm#44780 (before #44784): draft groups treated as "
-           "ordinary, so the volatile tail is stored", ("llama3-eagle3", "deepseek-v4-mtp"),
-           "E1", _offer_patch(_draft_as_ordinary)),
+           "ordinary, so the volatile tail is stored", ("llama3-eagle3", V4),
+           "E1", _offer_patch(_draft_as_ordinary), _has_draft),
     Mutant("store-cursor-hole", "vllm#44784: the cursor jumps over the held-back chunk",
-           ("llama3-eagle3", "deepseek-v4-mtp"), "E2", _offer_patch(_cursor_jumps_hold_back)),
+           ("llama3-eagle3", V4), "E2", _offer_patch(_cursor_jumps_hold_back), _has_draft),
     Mutant("all-groups-draft-fallback", "vllm#52735: every group treated as draft, which "
-           "zeroed hybrid Mamba hits", ("qwen3-next-mtp",), "E3",
-           _pop_patch(_all_groups_draft)),
+           "zeroed hybrid Mamba hits", ("qwen3-next-mtp", V4), "E3",
+           _pop_patch(_all_groups_draft), _has_plain),
     Mutant("window-store-keeps-w", "vllm#53951: a draft window group keeps W chunks per "
-           "segment, never the extra one its lookup needs", ("deepseek-v4-mtp",), "E2",
-           _offer_patch(_window_keeps_w)),
+           "segment, never the extra one its lookup needs", (V4,), "E2",
+           _offer_patch(_window_keeps_w), _draft_window_kept),
     Mutant("double-pop", "a draft group's extra chunk popped twice per verification",
-           ("llama3-eagle3", "deepseek-v4-mtp"), "E3", _pop_patch(_double_pop)),
+           ("llama3-eagle3", V4), "E3", _pop_patch(_double_pop), _has_draft),
     Mutant("pop-not-rearmed", "the pop is not re-armed after another group shrinks the "
-           "boundary", ("deepseek-v4-mtp", "qwen3-next-mtp"), "E3",
-           _pop_patch(_pop_once_only)),
+           "boundary", (V4, "qwen3-next-mtp"), "E3", _pop_patch(_pop_once_only),
+           _draft_then_other),
     Mutant("failed-transfer-counted", "dynamo#15079: a failed transfer counted as done",
-           ("gpt-oss", "llama3-eagle3"), "X1",
+           ("gpt-oss", V4), "X1",
            _method_patch(OffloadScheduler, "_complete", _failed_counted_as_done)),
     Mutant("unchecked-block-id", "vllm#44780: an out-of-range block id reaches the copy",
-           ("gpt-oss",), "B1", _method_patch(_store, "build_store", _unchecked_block_id)),
+           ("gpt-oss", V4), "B1", _method_patch(_store, "build_store", _unchecked_block_id)),
     Mutant("finished-stores-unwritten", "vllm#54288: a finished request stores tokens "
-           "whose KV was never written", ("llama3-eagle3", "deepseek-v3-mtp"), "E1",
-           lambda: _factory(_FinishStoresUnwritten)),
+           "whose KV was never written", ("llama3-eagle3", V4), "integrity",
+           lambda: _factory(_FinishStoresUnwritten), _has_draft),
     Mutant("stale-window-block-stored", "vllm: a freed, re-allocated window block stored "
-           "under its old key", ("gpt-oss", "gemma3"), "integrity",
-           _method_patch(OffloadScheduler, "_zero_stale_window_blocks", _no_stale_zeroing)),
+           "under its old key", ("gpt-oss", V4), "integrity",
+           _method_patch(OffloadScheduler, "_zero_stale_window_blocks", _no_stale_zeroing),
+           _has_window),
     Mutant("reset-restores-stale-blocks", "kvcore (found by the simulator): after reset, "
-           "stale window blocks behind the cursor are stored again", ("gpt-oss",),
+           "stale window blocks behind the cursor are stored again", ("gpt-oss", V4),
            "integrity", _method_patch(OffloadScheduler, "_zero_stale_window_blocks",
-                                      _stale_zeroing_ahead_of_cursor_only)),
+                                      _stale_zeroing_ahead_of_cursor_only), _has_window),
     Mutant("no-fence", "a store's source block reused before the store is waited on",
-           ("gpt-oss", "deepseek-v4-mtp"), "F1",
-           _method_patch(JobTable, "jobs_reading", _no_fence)),
+           ("gpt-oss", V4), "F1", _method_patch(JobTable, "jobs_reading", _no_fence)),
     Mutant("pending-read-as-hit", "PENDING keys treated as hits: a lookup answers before "
-           "the data is ready", ("gpt-oss", "llama3-eagle3"), "L2", _pending_as_hit),
+           "the data is ready", ("gpt-oss", V4), "L2", _lookup_hit_patch("as-hit")),
+    Mutant("pending-read-as-miss", "PENDING keys treated as misses: a lookup answers "
+           "short instead of waiting for a store about to land", ("gpt-oss", V4), "L2",
+           _lookup_hit_patch("as-miss")),
     Mutant("lookup-while-jobs", "a lookup answered while the request's jobs are in flight",
-           ("llama3-eagle3", "gpt-oss"), "J1",
+           ("llama3-eagle3", V4), "J1",
            _method_patch(OffloadScheduler, "lookup", _lookup_ignores_jobs)),
+    Mutant("store-while-loading", "a store issued while the same request's load is in "
+           "flight (it reads blocks the load is still writing)", ("gpt-oss", V4), "J1",
+           _method_patch(OffloadScheduler, "_store_step", _store_ignores_loads)),
+    Mutant("min-chunk-before-last-shrink", "vLLM 0.33: the one-chunk minimum checked per "
+           "group when visited, so a later shrink below the largest chunk is served",
+           (V4, "mamba-and-window"), "L1", _converge_patch(min_per_group=True),
+           _chunk_sizes_differ),
+    Mutant("rearm-only-on-plain-shrink", "vLLM 0.33: the pop re-armed only when a non-draft "
+           "group shrinks the boundary (two window-1 draft groups)", ("two-draft-windows",),
+           "E3", _converge_patch(rearm_on_draft_shrink=False), _two_drafts),
+    Mutant("pending-when-any-unknown", "vLLM 0.33: PENDING whenever a scanned key is "
+           "unknown, even when no answer for it changes the hit", ("gpt-oss", V4), "L2",
+           _lookup_hit_patch("any-unknown")),
+    Mutant("mamba-hit-not-rounded", "vLLM 0.33: Mamba groups not re-verified after a "
+           "shrink, so the hit ends off a Mamba chunk", ("mamba-and-window",), "L1",
+           _converge_patch(reverify_mamba=False), _mamba_shrunk_off_chunk),
 )
+
+
+def layout(name: str) -> OffloadConfig:
+    """A preset or a zoo layout by name."""
+    from kvcore.presets import PRESETS, preset
+    if name in PRESETS:
+        return preset(name)
+    return LAYOUTS[name]()

@@ -29,7 +29,7 @@ class Violation:
 
 
 INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "L3", "J1", "J2",
-                 "S1", "S2", "B1", "F1", "X1", "M1", "K1")
+                 "S1", "S2", "B1", "F1", "X1", "M1", "M2", "K1")
 
 # -- records ------------------------------------------------------------------------------
 
@@ -534,6 +534,76 @@ def k1_keys_distinct(r: KeyRecord) -> list[Violation]:
     return []
 
 
+# -- eviction order (M2) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvictionOrderRecord:
+    """One ``prepare_store`` that needed room, beside an independent view of the tier (M2).
+
+    ``queues`` holds the evictable keys (READY, unpinned, not among the call's keys) of
+    each recency list as tracked outside the tier, least recent first: one list for LRU,
+    T1 then T2 for ARC, whose ``t1_size`` (T1 with its WRITING keys) and ``target`` (p)
+    decide which list gives each victim. ``victims`` is what the tier chose (None: it
+    refused the store). ``slots``/``expected_slots`` are the slots the tier and the
+    reference handed out for the same choice, when compared.
+    """
+
+    policy: str
+    needed: int
+    queues: tuple[tuple[Key, ...], ...]
+    victims: tuple[Key, ...] | None
+    t1_size: int = 0
+    target: float = 0.0
+    slots: tuple[int, ...] | None = None
+    expected_slots: tuple[int, ...] | None = None
+
+
+def _policy_victims(r: EvictionOrderRecord) -> tuple[Key, ...] | None:
+    """The victims the policy's rule names, or None when too few keys are evictable."""
+    if r.policy == "lru":
+        queue = r.queues[0] if r.queues else ()
+        return tuple(queue[:r.needed]) if len(queue) >= r.needed else None
+    t1, t2 = (list(q) for q in r.queues)
+    t1_size = r.t1_size
+    chosen: list[Key] = []
+    while len(chosen) < r.needed:
+        first, second = (t1, t2) if t1_size >= int(r.target) else (t2, t1)
+        source = first if first else second
+        if not source:
+            return None
+        if source is t1:
+            t1_size -= 1
+        chosen.append(source.pop(0))
+    return tuple(chosen)
+
+
+def _short(keys: tuple[Key, ...] | None) -> list[str] | None:
+    return None if keys is None else [k.hex()[:12] for k in keys[:4]]
+
+
+def m2_eviction_order(r: EvictionOrderRecord) -> list[Violation]:
+    """M2: eviction takes the policy's victims and nothing else.
+
+    LRU evicts the least recently completed or touched evictable keys; ARC takes the least
+    recent evictable key of T1 while ``|T1| >= int(p)``, else of T2, falling back to the
+    other list. A store is refused only when too few keys are evictable, and the slots
+    handed out for a choice are the reference's. A policy that evicts a hot key instead of
+    a cold one breaks no safety rule (M1), but it turns hits into recomputation.
+    """
+    want = _policy_victims(r)
+    out: list[Violation] = []
+    if want != r.victims:
+        got, named = _short(r.victims), _short(want)
+        out.append(Violation("M2", f"{r.policy} evicted {got}, its rule names {named} "
+                             f"({r.needed} needed)",
+                             {"policy": r.policy, "victims": got, "expected": named}))
+    if r.slots is not None and r.expected_slots is not None and r.slots != r.expected_slots:
+        out.append(Violation("M2", f"slots {list(r.slots[:8])} differ from the reference's "
+                             f"{list(r.expected_slots[:8])}", {"policy": r.policy}))
+    return out
+
+
 # -- the checker ------------------------------------------------------------------------------
 
 PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
@@ -551,6 +621,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     FailureRecord: (x1_failure_never_hit,),
     EvictionRecord: (m1_eviction_safe,),
     KeyRecord: (k1_keys_distinct,),
+    EvictionOrderRecord: (m2_eviction_order,),
 }
 
 # The id each predicate checks, derived from its name, so the catalogue test can compare

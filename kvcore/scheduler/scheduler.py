@@ -280,7 +280,8 @@ class OffloadScheduler:
             self._enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
                            LoadCoverageRecord(self.config, computed_tokens, load_tokens,
                                               tables, tuple(valid_blocks), plan),
-                           PlanRecord(self.config, plan), *moves])
+                           PlanRecord(self.config, plan), *moves,
+                           JobTableRecord(request_id, self._kinds_in_flight(request_id))])
         return plan
 
     def _validate_alloc(self, request_id: str, block_ids: object, valid_blocks: object,
@@ -458,8 +459,9 @@ class OffloadScheduler:
         req.jobs.add(built.plan.job_id)
         self._stats.stores += 1
         self._stats.chunks_stored += len(out.keys_to_store)
-        if self.check:
-            self._enforce(_store.store_records(self.config, draft, built, True))
+        if self.check:  # J1 when the job is created, not only at the next lookup
+            self._enforce([*_store.store_records(self.config, draft, built, True),
+                           JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id))])
         return built.plan
 
     @staticmethod

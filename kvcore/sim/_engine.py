@@ -10,6 +10,7 @@ caught when it completes; with checks on, every hook also checks the spec's inva
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from kvcore.scheduler import (
 )
 from kvcore.scheduler._checks import enforce
 from kvcore.sim import _kv
+from kvcore.sim._shadow import ShadowedManager
 from kvcore.sim._workload import PromptSource, SimOptions
 from kvcore.spec.invariants import FailureRecord
 from kvcore.spec.plans import TransferPlan, sub_block_position
@@ -54,6 +56,7 @@ class SimRequest:
     final_upto: list[int] = field(default_factory=list)
     freed_upto: list[int] = field(default_factory=list)
     load_boundary: int = 0
+    store_cap: int | None = None  # RequestInfo.max_offload_tokens
     abort_pending: bool = False
 
 
@@ -80,6 +83,10 @@ class Simulator:
                  scheduler_factory: Any = None) -> None:
         self.options = opts = options.drawn()
         overrides: dict[str, Any] = {"num_workers": opts.num_workers}
+        if opts.prompt_only:
+            overrides["prompt_only"] = True
+        if opts.max_offload_tokens is not None and config.max_offload_tokens is None:
+            overrides["max_offload_tokens"] = opts.max_offload_tokens
         if opts.num_gpu_blocks is not None:
             overrides["num_gpu_blocks"] = opts.num_gpu_blocks
         if opts.num_cpu_blocks is not None:
@@ -87,7 +94,10 @@ class Simulator:
         from dataclasses import replace
         self.config = cfg = replace(config, **overrides)
         self.rng = random.Random(f"sim:{opts.seed}")
-        self.manager = CPUOffloadManager(cfg.num_cpu_blocks, check=check)
+        policy = opts.policy or "lru"
+        # With checks on, the tier runs in lock step with the reference manager (M2).
+        self.manager: Any = ShadowedManager(cfg.num_cpu_blocks, policy, check=True) \
+            if check else CPUOffloadManager(cfg.num_cpu_blocks, policy, check=False)
         factory = scheduler_factory or OffloadScheduler
         self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
         self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,
@@ -127,8 +137,12 @@ class Simulator:
         self._reset_tables(req)
         hbt = self.config.hash_block_tokens
         req.hashes = _kv.chain_hashes(req.tokens, 0, b"", hbt, len(req.tokens) // hbt)
+        cap = None
+        if self.options.request_cap_rate and self.rng.random() < self.options.request_cap_rate:
+            cap = self.rng.randrange(0, req.prompt_len + 1)
+        req.store_cap = cap
         self.scheduler.add_request(RequestInfo(req.request_id, req.prompt_len,
-                                               tuple(req.hashes)))
+                                               tuple(req.hashes), max_offload_tokens=cap))
         self.reqs[req.request_id] = req
         self.waiting.append(req)
         self.counters.prompt_tokens += req.prompt_len
@@ -221,7 +235,10 @@ class Simulator:
             self.transfer.submit(load)
         for r, n, _ in scheduled:
             self._forward(r, n)
+        frontiers = {r.request_id: min(r.computed + n, len(r.tokens)) for r, n, _ in scheduled}
         for store in plan.stores:
+            if self.check:
+                self._check_storable(store, frontiers.get(store.request_id))
             self.store_plans[store.job_id] = store
             self.transfer.submit(store)
         for r, n, _ in scheduled:
@@ -291,25 +308,53 @@ class Simulator:
         for req in list(self.waiting):
             if len(self.running) >= self.options.max_running:
                 return
-            hit = self.scheduler.lookup(req.request_id, 0, len(req.tokens))
+            cached = self._gpu_cached(req)
+            hit = self.scheduler.lookup(req.request_id, cached, len(req.tokens))
             if not isinstance(hit, int):
                 continue
-            first = self._prefill_size(len(req.tokens), self.options.prefill_budget)
-            ids = self._allocate(req, hit if hit else max(first, 1), hit, allocated)
+            resume = cached + hit
+            first = self._prefill_size(len(req.tokens) - cached, self.options.prefill_budget)
+            ids = self._allocate(req, resume if hit else cached + max(first, 1), resume,
+                                 allocated)
             if ids is None:
                 return
             self.waiting.remove(req)
             self.running.append(req)
-            plan = self.scheduler.after_alloc(req.request_id, req.tables,
-                                              [0] * len(self.config.groups), 0, hit)
+            self._fill_cached(req, cached)
+            req.computed = cached
+            valid = [cached // g.tokens_per_block for g in self.config.groups]
+            plan = self.scheduler.after_alloc(req.request_id, req.tables, valid, cached, hit)
             if plan is not None:
                 req.state = "loading"
-                req.load_boundary = hit
+                req.load_boundary = resume
                 self.load_plans[plan.job_id] = plan
                 scheduled.append((req, 0, tuple(ids)))
                 continue
             req.state = "running"
             scheduled.append((req, first, tuple(ids)))
+
+    def _gpu_cached(self, req: SimRequest) -> int:
+        """Tokens the engine's own GPU prefix cache covers at admission (drawn per request):
+        a multiple of every block and chunk size, below the last token."""
+        rate = self.options.gpu_cache_rate
+        if not rate or self.rng.random() >= rate:
+            return 0
+        unit = math.lcm(self.config.hash_block_tokens, self.config.mamba_align_tokens or 1,
+                        *(g.tokens_per_chunk for g in self.config.groups))
+        return unit * self.rng.randrange(0, (len(req.tokens) - 1) // unit + 1)
+
+    def _fill_cached(self, req: SimRequest, cached: int) -> None:
+        """The GPU-cached blocks hold their final bytes, as the engine computed them."""
+        hbt = self.config.hash_block_tokens
+        for group, g in enumerate(self.config.groups):
+            end = cached // g.tokens_per_block
+            table = req.tables[group]
+            for pos in range(end):
+                if table[pos]:
+                    prefix = req.hashes[(pos + 1) * g.tokens_per_block // hbt - 1]
+                    for layer, t in enumerate(self.gpu[group]):
+                        t[table[pos]].fill_(_kv.final_value(prefix, group, layer))
+            req.final_upto[group] = end
 
     # -- the forward pass and sampling ------------------------------------------------------
 
@@ -345,6 +390,29 @@ class Simulator:
             # Rewritten positions are not final any more (a drafter may rewrite a chunk that
             # a load had just filled); they are finalised again once the frontier passes.
             req.final_upto[group] = min(req.final_upto[group], final_end)
+
+    def _check_storable(self, store: TransferPlan, frontier: int | None) -> None:
+        """From outside: a store holds only chunks inside the storable prefix U (the
+        frontier capped by prompt_only, max_offload_tokens and the request's own cap), and
+        only for a request scheduled this step. Beyond U the engine asked for nothing to
+        be kept (a decode cache, a budget), so such a chunk is a broken promise."""
+        req = self.reqs[store.request_id]
+        if frontier is None:
+            raise IntegrityError(f"store job {store.job_id} for request {req.request_id}, "
+                                 "which was not scheduled this step")
+        cfg = self.config
+        limit = min(frontier, req.store_cap if req.store_cap is not None else frontier,
+                    cfg.max_offload_tokens if cfg.max_offload_tokens is not None else frontier,
+                    req.prompt_len if cfg.prompt_only else frontier)
+        for group, gt in enumerate(store.groups):
+            if not gt.gpu_block_ids:
+                continue
+            g = cfg.groups[group]
+            end = (gt.block_index + len(gt.gpu_block_ids)) * g.tokens_per_block
+            if end > limit:
+                raise IntegrityError(f"store job {store.job_id} group {group} holds tokens up "
+                                     f"to {end}, beyond the storable prefix U={limit} of "
+                                     f"request {req.request_id}")
 
     def _sample(self, req: SimRequest, n: int) -> None:
         if n == 0 or req.state != "running":
@@ -410,6 +478,14 @@ class Simulator:
                 self.reports.append((self.step_no + delay, report))
         self.rng.shuffle(self.reports)
 
+    def deliver_reports_now(self) -> None:
+        """Deliver every outstanding report at once, as fast workers would, without
+        running a step (directed scenarios use it to finish a request with no jobs)."""
+        self.transfer.wait(list(self.store_plans) + list(self.load_plans))
+        if self.reports:
+            self.step_no = max(self.step_no, max(when for when, _ in self.reports))
+        self._deliver_reports()
+
     def _deliver_reports(self) -> None:
         due = [r for when, r in self.reports if when <= self.step_no]
         self.reports = [(w, r) for w, r in self.reports if w > self.step_no]
@@ -451,7 +527,7 @@ class Simulator:
         self.load_plans.pop(plan.job_id)
         if ok:
             self.verify_load(req, plan)
-            self.counters.loaded_tokens += req.load_boundary
+            self.counters.loaded_tokens += req.load_boundary - req.computed
             req.computed = min(req.load_boundary, len(req.tokens) - 1)
             for group, g in enumerate(self.config.groups):
                 req.final_upto[group] = req.computed // g.tokens_per_block
@@ -488,7 +564,30 @@ class Simulator:
                             f"{gpu_id} (position {pos}, chunk slot {gt.cpu_slots[chunk]} "
                             f"sub-block {sub}) holds {int(t[gpu_id][0])}, expected {want}")
                 self.counters.blocks_verified += 1
+        self._verify_coverage(req)
         self.counters.loads_verified += 1
+
+    def _verify_coverage(self, req: SimRequest) -> None:
+        """Every block the request is told is loaded holds its key's bytes, whatever the plan
+        said: per group, each real block from the first unfilled one (none were valid) up to
+        the one holding token ``load_boundary - 1``. A load that skips a block leaves it
+        zero or stale, and the request would compute on it."""
+        hbt = self.config.hash_block_tokens
+        for group, g in enumerate(self.config.groups):
+            table = req.tables[group]
+            for pos in range(min(cdiv(req.load_boundary, g.tokens_per_block), len(table))):
+                gpu_id = table[pos]
+                if not gpu_id:
+                    continue
+                prefix = req.hashes[(pos + 1) * g.tokens_per_block // hbt - 1]
+                for layer, t in enumerate(self.gpu[group]):
+                    want = _kv.final_value(prefix, group, layer)
+                    if not bool((t[gpu_id] == want).all()):
+                        raise IntegrityError(
+                            f"request {req.request_id} group {group} layer {layer}: GPU block "
+                            f"{gpu_id} (position {pos}) is told loaded up to token "
+                            f"{req.load_boundary} but holds {int(t[gpu_id][0])}, not the "
+                            f"bytes of its key ({want})")
 
     # -- faults -----------------------------------------------------------------------------
 

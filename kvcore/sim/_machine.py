@@ -20,27 +20,45 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from kvcore.scheduler import BadReportError, WorkerReport
 from kvcore.sim._engine import Simulator
 from kvcore.sim._workload import SimOptions
+from kvcore.spec.errors import InvariantViolation
+from kvcore.spec.invariants import Violation
 from kvcore.spec.types import OffloadConfig
 
 SETTLE_STEPS = 400
 
 
 def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
-                 tally: dict[str, int] | None = None, device: str = "cpu"
+                 tally: dict[str, int] | None = None, device: str = "cpu",
+                 trace: dict[str, Any] | None = None, policies: tuple[str, ...] = ("lru", "arc")
                  ) -> type[RuleBasedStateMachine]:
-    """A state machine class for ``config`` (optionally with a mutated scheduler)."""
+    """A state machine class for ``config`` (optionally with a mutated scheduler).
+
+    Each example draws the engine set-up too: workers, CPU pool, prompt sizes, the
+    eviction policy, prompt-only storing, per-request store caps and GPU prefix-cache
+    hits. ``trace`` (if given) receives the set-up of the latest example, so a failure
+    can be replayed by hand.
+    """
 
     class SimMachine(RuleBasedStateMachine):
         sim: Simulator
 
         @initialize(seed=st.integers(0, 2**16), workers=st.sampled_from([1, 2, 3]),
-                    cpu=st.sampled_from([24, 96, 400]), context=st.sampled_from([96, 300, 700]))
-        def start(self, seed: int, workers: int, cpu: int, context: int) -> None:
+                    cpu=st.sampled_from([24, 96, 400]), context=st.sampled_from([96, 300, 700]),
+                    policy=st.sampled_from(policies), prompt_only=st.booleans(),
+                    caps=st.sampled_from([0.0, 0.5]), cached=st.sampled_from([0.0, 0.5]))
+        def start(self, seed: int, workers: int, cpu: int, context: int, policy: str,
+                  prompt_only: bool, caps: float, cached: float) -> None:
             options = SimOptions(seed=seed, requests=0, context_tokens=context,
                                  num_workers=workers, num_cpu_blocks=cpu,
                                  num_gpu_blocks=1500, prefill_budget=192, max_running=3,
+                                 max_new_tokens=8,
                                  fail_rate=0.0, delay_rate=0.0, abort_rate=0.0,
-                                 reset_rate=0.0)
+                                 reset_rate=0.0, policy=policy, prompt_only=prompt_only,
+                                 request_cap_rate=caps, gpu_cache_rate=cached)
+            if trace is not None:
+                trace.clear()
+                trace.update(seed=seed, workers=workers, cpu=cpu, context=context,
+                             policy=policy, prompt_only=prompt_only, caps=caps, cached=cached)
             self.sim = Simulator(config, options, check=True, device=device,
                                  scheduler_factory=scheduler_factory)
 
@@ -117,8 +135,14 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
                 sched.worker_output([r, r])
             except BadReportError:
                 pass
+            except Exception as exc:  # not rejected as bad input: the job table broke
+                raise InvariantViolation([Violation(
+                    "J2", f"a duplicated report for job {r.job_id} was not rejected "
+                    f"({type(exc).__name__}: {exc})", {"job": r.job_id})]) from exc
             else:
-                raise AssertionError(f"a duplicated report for job {r.job_id} was accepted")
+                raise InvariantViolation([Violation(
+                    "J2", f"a duplicated report for job {r.job_id} was accepted",
+                    {"job": r.job_id})])
             after = sched.has_pending_work(), asdict(sched.stats()), sched.tracked_requests()
             if after != before:
                 raise AssertionError("a rejected report changed the scheduler's state")

@@ -31,6 +31,17 @@ class SimOptions:
     num_workers: int | None = None
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None
+    # The tier's eviction policy ("lru" or "arc"); None: drawn per seed.
+    policy: str | None = None
+    # Config variants that make the storable prefix U fall below the frontier V: store
+    # prompt tokens only; cap every request's stored tokens; cap a share of requests
+    # (RequestInfo.max_offload_tokens) at a drawn fraction of their prompt.
+    prompt_only: bool = False
+    max_offload_tokens: int | None = None
+    request_cap_rate: float = 0.0
+    # Share of admissions whose first tokens the engine's GPU prefix cache already holds
+    # (the lookup's computed_tokens > 0).
+    gpu_cache_rate: float = 0.0
     layers: int = 2
     row_elems: int = 4
     max_steps: int = 20_000
@@ -43,7 +54,8 @@ class SimOptions:
                     "delay_rate": rng.choice([0.0, 0.2, 0.5]),
                     "abort_rate": rng.choice([0.0, 0.02]),
                     "reset_rate": rng.choice([0.0, 0.0, 0.01]),
-                    "num_workers": rng.choice([1, 2, 4])}
+                    "num_workers": rng.choice([1, 2, 4]),
+                    "policy": rng.choice(["lru", "arc"])}
         for name, value in defaults.items():
             if values[name] is None:
                 values[name] = value

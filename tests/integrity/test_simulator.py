@@ -88,3 +88,80 @@ def test_crash_shape_420k_runs_clean() -> None:
                                  num_workers=2, max_running=1))
     assert report.loads_verified >= 1
     assert report.offload_hit_tokens > 300_000
+
+
+def _sim(name: str, **options: object) -> Simulator:
+    base: dict[str, object] = {"seed": 2, "requests": 16, "context_tokens": 400,
+                               "shared_prefix_rate": 1.0, "fail_rate": 0.0,
+                               "reset_rate": 0.0, "abort_rate": 0.0}
+    base.update(options)
+    return Simulator(preset(name), SimOptions(**base), check=True)  # type: ignore[arg-type]
+
+
+def test_a_load_that_skips_a_promised_block_is_caught() -> None:
+    """The coverage half of the byte check: a load plan that leaves the first block it
+    should fill untouched (first_unfilled one too far) passes the plan's own byte check
+    (every block it copies is right) but not coverage."""
+    from unittest import mock
+
+    from kvcore.scheduler import _rules
+    from kvcore.sim import IntegrityError
+
+    original = _rules.first_unfilled
+
+    def skips_one(table, valid_blocks, end):  # type: ignore[no-untyped-def]
+        return min(original(table, valid_blocks, end) + 1, end)
+    sim = _sim("gpt-oss")
+    with mock.patch.object(_rules, "first_unfilled", skips_one), \
+            pytest.raises(IntegrityError, match="told loaded"):
+        sim.run()
+    sim.transfer.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_runs_exercise_eviction_order_for_both_policies(policy: str) -> None:
+    sim = _sim("deepseek-v4-mtp", policy=policy, num_cpu_blocks=48)
+    sim.run()
+    assert sim.manager.checked.get("M2", 0) > 10
+    assert sim.manager.real.policy.name == policy
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_an_eviction_of_the_wrong_victim_is_caught(policy: str) -> None:
+    """M2 in the simulator: a policy that evicts its most recent candidates first breaks
+    no safety rule (M1 holds) but is not the policy's order."""
+    from unittest import mock
+
+    from kvcore.manager import POLICIES
+    from kvcore.spec.errors import InvariantViolation
+
+    cls = POLICIES[policy]
+    original = cls.choose
+
+    def newest_first(self, n, can_evict):  # type: ignore[no-untyped-def]
+        chosen = original(self, n, can_evict)
+        if chosen is None:
+            return None
+        pool = [k for k in reversed(list(getattr(self, "_order", None) or
+                                          [*self._t2, *self._t1])) if can_evict(k)]
+        return pool[:n]
+    sim = _sim("deepseek-v4-mtp", policy=policy, num_cpu_blocks=48)
+    with mock.patch.object(cls, "choose", newest_first), \
+            pytest.raises(InvariantViolation) as caught:
+        sim.run()
+    sim.transfer.close()
+    assert caught.value.ids == ["M2"]
+
+
+def test_variants_make_the_storable_prefix_fall_below_the_frontier() -> None:
+    """prompt_only, a config cap and per-request caps: fewer chunks are stored than the
+    same seed stores without them, and the run stays clean."""
+    plain = simulate(preset("gpt-oss"), SimOptions(seed=4, requests=12, context_tokens=300,
+                                                   fail_rate=0.0, reset_rate=0.0,
+                                                   abort_rate=0.0))
+    capped = simulate(preset("gpt-oss"), SimOptions(seed=4, requests=12, context_tokens=300,
+                                                    fail_rate=0.0, reset_rate=0.0,
+                                                    abort_rate=0.0, prompt_only=True,
+                                                    max_offload_tokens=150,
+                                                    request_cap_rate=0.5))
+    assert 0 < capped.chunks_stored < plain.chunks_stored

@@ -30,6 +30,7 @@ from kvcore.spec.invariants import (
     PREDICATES,
     CompletionRecord,
     CursorMoveRecord,
+    EvictionOrderRecord,
     EvictionRecord,
     FailureRecord,
     FenceRecord,
@@ -59,6 +60,7 @@ from kvcore.spec.invariants import (
     l2_pending_exactly_when_uncertain,
     l3_load_covers_every_block,
     m1_eviction_safe,
+    m2_eviction_order,
     s1_plan_shape,
     s2_store_runs,
     x1_failure_never_hit,
@@ -131,6 +133,12 @@ X1_OK = FailureRecord(failed_store_status={K[0]: Status.MISS},
                       failed_load_jobs=frozenset({4}), reported_load_jobs=frozenset({4}))
 M1_OK = EvictionRecord(call_keys=(K[0], K[1]), evicted=((K[2], "ready"), (K[3], "ready")),
                        needed=2, returned_none=False, changed_state=True)
+# LRU: the two least recent evictable keys go. ARC: |T1| = 2 < int(p) = 3, so T2 gives
+# the first victim; then T2 is empty and T1 gives the second (the fallback).
+M2_LRU_OK = EvictionOrderRecord("lru", 2, ((K[0], K[1], K[2]),), (K[0], K[1]),
+                                slots=(4, 5), expected_slots=(4, 5))
+M2_ARC_OK = EvictionOrderRecord("arc", 2, ((K[0], K[1]), (K[2],)), (K[2], K[0]),
+                                t1_size=2, target=3.5)
 K1_OK = KeyRecord(((0, b"a", make_key(b"a", 0)), (1, b"a", make_key(b"a", 1)),
                    (0, b"a", make_key(b"a", 0))))
 
@@ -308,6 +316,26 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                "not atomic"),
         Across("one eviction more than needed", replace(M1_OK, needed=1),
                "evicted 2 keys, 1 were needed"),
+    ]),
+    (m2_eviction_order, M2_LRU_OK, [
+        Across("a more recent key evicted first", replace(M2_LRU_OK, victims=(K[0], K[2])),
+               "lru evicted"),
+        Across("a store refused with enough evictable keys",
+               replace(M2_LRU_OK, victims=None), "evicted None"),
+        Across("a victim when too few keys are evictable",
+               replace(M2_LRU_OK, needed=4), "names None"),
+        Across("slots other than the reference's",
+               replace(M2_LRU_OK, slots=(5, 4)), "differ from the reference"),
+    ]),
+    (m2_eviction_order, M2_ARC_OK, [
+        Across("T1 preferred although |T1| < int(p)", replace(M2_ARC_OK, victims=(K[0], K[1])),
+               "arc evicted"),
+        Across("a more recent T2 key evicted before the least recent one",
+               replace(M2_ARC_OK, queues=((K[0], K[1]), (K[3], K[2])), victims=(K[2], K[0])),
+               "arc evicted"),
+        Across("int(p) = 2 <= |T1|: T1 must give the first victim",
+               replace(M2_ARC_OK, target=2.5),
+               "arc evicted"),
     ]),
     (k1_keys_distinct, K1_OK, [
         Across("one key for two groups",
