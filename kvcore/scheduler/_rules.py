@@ -19,7 +19,6 @@ verified (L1), else the table and the config disagree and that is an error.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -130,8 +129,31 @@ def chunk_reachable(cfg: OffloadConfig, group: int, chunk: int) -> bool:
     return rule is None or chunk % rule[0] in rule[1]
 
 
-@functools.lru_cache(maxsize=256)
+_KEEP_CACHE: dict[tuple[int, int], tuple[OffloadConfig, tuple[int, KeptOffsets] | None]] = {}
+_KEEP_CACHE_LIMIT = 256
+
+
 def keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None:
+    """(a, kept offsets) for a SLIDING group, or None: every chunk is kept (``_keep_rule``).
+
+    Cached by the config's identity (the config is frozen), never by hashing it: a
+    CrossHair obligation hands in configs of symbolic ints, and hashing would make it
+    realize them. The entry holds the config, so its id cannot be reused while cached.
+    """
+    g = cfg.groups[group]
+    if not cfg.store_alignment or g.kind is not GroupKind.SLIDING:
+        return None
+    hit = _KEEP_CACHE.get((id(cfg), group))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    if len(_KEEP_CACHE) >= _KEEP_CACHE_LIMIT:
+        _KEEP_CACHE.clear()
+    rule = _keep_rule(cfg, group)
+    _KEEP_CACHE[(id(cfg), group)] = (cfg, rule)
+    return rule
+
+
+def _keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None:
     """(a, kept offsets): the store-skip period of a SLIDING group and what it keeps.
 
     With exactly one full-attention chunk size A, a fully stored prefix is found again at
@@ -141,8 +163,7 @@ def keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None:
     (with Mamba groups) ``kA - 1`` rounded down to a Mamba chunk end, for a segment far
     enough from 0 that nothing is clipped; they repeat every segment. None (keep every
     chunk) when alignment is off, when MAMBA state exists only at ends that are not
-    segment ends, or when the kept offsets fill the segment. Cached: the config is frozen
-    and hashable, and the store asks on every step.
+    segment ends, or when the kept offsets fill the segment.
     """
     g = cfg.groups[group]
     if not cfg.store_alignment or g.kind is not GroupKind.SLIDING:

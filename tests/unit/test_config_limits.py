@@ -39,7 +39,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
-from kvcore.scheduler._rules import keep_rule as kvcore_keep_rule
+from kvcore.scheduler._rules import _keep_rule as kvcore_keep_rule_uncached
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.lookup import needed_chunks
 from kvcore.spec.types import (
@@ -63,13 +63,13 @@ from kvcore.spec.types import (
 
 def _alignment(cfg: OffloadConfig, group: int) -> int | None:
     """The keep rule's period (kvcore's rule, ``kvcore.scheduler._rules.keep_rule``)."""
-    rule = kvcore_keep_rule.__wrapped__(cfg, group)
+    rule = kvcore_keep_rule_uncached(cfg, group)
     return None if rule is None else rule[0]
 
 
 def _kept(cfg: OffloadConfig, group: int) -> KeptOffsets | None:
     """The keep rule's kept offsets, computed afresh (not from the rule's cache)."""
-    rule = kvcore_keep_rule.__wrapped__(cfg, group)
+    rule = kvcore_keep_rule_uncached(cfg, group)
     return None if rule is None else rule[1]
 
 
