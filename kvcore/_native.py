@@ -137,7 +137,7 @@ def _describe(rec: ErrorRecord, roles: tuple[str, str]) -> str:
 def make_error(rec: ErrorRecord, *, num_descs: int, context: str = "",
                roles: tuple[str, str] = _ROLE_DEFAULT, job_id: int | None = None,
                group: int | None = None) -> KVCopyError:
-    """Build the KVCopyError for a failed status; message style of STYLE.md ("errors teach")."""
+    """Build the KVCopyError for a failed status; style of docs/style.md ("errors teach")."""
     where = f" ({context})" if context else ""
     if rec.side == Side.REGION:
         head = f"region {rec.index}{where}: {status_text(rec.status)} " \

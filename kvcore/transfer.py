@@ -7,7 +7,7 @@ descriptor table over those regions, following the sequential mapping of ``spec/
 GPU block ``i`` of a group goes to sub-block ``(block_index % bpc + i) % bpc`` of chunk
 ``cpu_slots[(block_index % bpc + i) // bpc]``. STORE copies GPU -> CPU, LOAD CPU -> GPU.
 
-Checks are paired (STYLE.md): the plan is checked in Python, where the error can name the
+Checks are paired (docs/style.md): the plan is checked in Python, where the error can name the
 job, the group and the role of the bad id, and the table again in C before the first byte
 moves. Either way a bad job moves zero bytes and is reported as *failed*, never complete.
 

@@ -6,7 +6,7 @@
  * Every region and every descriptor is validated before the first byte moves (invariant B1);
  * on failure nothing is copied and the error record names the first bad descriptor.
  *
- * Rules the code keeps (STYLE.md, native/): the C code knows no Python, keeps no global
+ * Rules the code keeps (docs/style.md, native/): the C code knows no Python, keeps no global
  * mutable state (every function is a pure function of its arguments plus the memory it is
  * told to copy, so it is safe to call from several threads at once), and returns an int
  * status; kvc_status_text() is the one place a status becomes text.

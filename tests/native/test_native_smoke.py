@@ -1,4 +1,4 @@
-"""Smoke tests: the binding loads and matches its header (step one of STYLE.md's two steps).
+"""Smoke tests: the binding loads and matches its header (step one of docs/style.md's two steps).
 
 Goal: catch a stale or mismatched build before any copy test runs. Method: compare the
 compiled module's ABI version, struct sizes and constants with the header and with the

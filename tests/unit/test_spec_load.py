@@ -1,6 +1,6 @@
 """The load plan (L1 load half, S1, B1): which GPU blocks a hit fills, from which chunks.
 
-Goal: pin ``kvcore.spec.load`` against DESIGN.md "Load": the blocks to fill run from the
+Goal: pin ``kvcore.spec.load`` against docs/semantics.md "Load": the blocks to fill run from the
 first unfilled (non-null) one up to ``cdiv(C + hit, tokens_per_block)``; ``block_index`` is
 that first position, so a load may start mid-chunk; a too-short table or a null inside the
 range is refused; every chunk loaded lies inside the range the lookup verified, and a table

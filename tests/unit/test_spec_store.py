@@ -1,12 +1,12 @@
 """The store plan (E1, E2): which chunks a request offers, step by step.
 
-Goal: pin ``kvcore.spec.store`` against DESIGN.md "Store": a draft group never offers its
+Goal: pin ``kvcore.spec.store`` against docs/semantics.md "Store": a draft group never offers its
 volatile chunk (E1) for any cursor and frontier; the cursor never passes a chunk that was
 not offered or skipped for a stated reason, never moves back, and a held-back chunk is
 offered once the frontier moves on (E2: no holes, across multi-step chunked prefill);
 SLIDING groups keep only the ``W + e`` chunks around each alignment segment end; prompt-only
 and max-token caps; null blocks are skipped; nothing is offered for unwritten tokens. The
-upstream store examples of reference/vllm-offloading.md §2.7 are reproduced, and where
+upstream store examples of docs/upstream.md §2.7 are reproduced, and where
 kvcore differs (no hole after a chunked-prefill store, #44784 / W24) the value is pinned.
 
 Method: a small driver replays a request's steps through ``group_offer``, carrying the
@@ -150,7 +150,7 @@ def test_no_hole_after_a_chunked_prefill_store() -> None:
 
 
 def test_draft_tail_is_never_stored_even_at_finish() -> None:
-    """DESIGN: the chunk at the frontier is volatile at every step, finished requests included
+    """Store rule: the chunk at the frontier is volatile at every step, finished requests included
     (upstream W33 lifts the exclusion at finish; kvcore keeps E1 unconditional)."""
     cfg = make_config(GroupSpec(FULL, 4, is_draft=True))
     assert offered_chunks(cfg, 0, 16, [16, 16]) == [0, 1, 2]
