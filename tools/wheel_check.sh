@@ -30,7 +30,8 @@ trap cleanup EXIT
 step "copy the tracked and unignored files of $root to $work/src"
 mkdir -p "$work/src"
 (cd "$root" && git ls-files -z --cached --others --exclude-standard) \
-  | (cd "$root" && xargs -0 cp --parents -t "$work/src" 2>/dev/null || true)
+  | while IFS= read -r -d '' f; do if [[ -f "$root/$f" ]]; then printf '%s\0' "$f"; fi; done \
+  | (cd "$root" && xargs -0 cp --parents -t "$work/src")
 [[ -f "$work/src/pyproject.toml" ]] || fail "the copy has no pyproject.toml"
 
 step "create a fresh venv (no kvcore, no test tools)"
