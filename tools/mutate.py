@@ -230,7 +230,7 @@ def run_tests(tree: Path, opts: Options, limit: float) -> tuple[str, str, float]
     took = time.monotonic() - start
     if proc.returncode == 0:
         return "survived", "", took
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+\.py\S*)", proc.stdout, re.M)
     return "killed", (failed[0] if failed else f"rc {proc.returncode}"), took
 
 
