@@ -1,9 +1,25 @@
-"""Build hook: setuptools metadata lives in pyproject.toml; this file only adds cffi.
+"""Build hook: metadata lives in pyproject.toml; this file adds what it cannot spell.
 
-cffi's ``cffi_modules`` keyword has no pyproject.toml spelling, so it is passed here.
-The build script compiles the C copy library (and, when nvcc is found, the CUDA one).
+Two things have no pyproject.toml spelling. cffi's ``cffi_modules`` keyword (the build
+script compiles the C copy library and, when nvcc is found, the CUDA one). And a package
+list that is discovered yet maps folders: kvcore/ is found by ``find_packages`` (so a new
+subpackage such as kvcore/integrations/vllm/ ships without editing a list; a hand list once
+left kvcore.scheduler out of the wheel), while spec/ and proofs/ install as kvcore.spec and
+kvcore.proofs (``package-dir`` in pyproject.toml).
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
-setup(cffi_modules=["native/build_native.py:ffibuilder"])
+MAPPED = {"kvcore.spec": "spec", "kvcore.proofs": "proofs"}
+
+
+def discovered_packages() -> list[str]:
+    """kvcore and its subpackages, then each mapped folder and its subpackages."""
+    packages = find_packages(include=["kvcore", "kvcore.*"])
+    for name, folder in MAPPED.items():
+        packages.append(name)
+        packages.extend(f"{name}.{sub}" for sub in find_packages(folder))
+    return packages
+
+
+setup(packages=discovered_packages(), cffi_modules=["native/build_native.py:ffibuilder"])

@@ -3,7 +3,7 @@
 Each obligation runs ``spec.lookup.hit_for`` (the reference hit) on one of the layouts
 below, a request of ``N <= 8`` tokens with ``C <= 2`` tokens already computed, and a
 symbolic hit map (``N // o`` chunks per group, every HIT/MISS combination), and states one
-property of DESIGN.md "Lookup":
+property of docs/semantics.md "Lookup":
 
 - ``hit_within_limit``: the hit is 0 or at least every group's chunk, and ``C + hit`` is at
   most the limit (N, or N - 1 with window groups, rounded down to the MAMBA chunk).

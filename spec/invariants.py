@@ -427,7 +427,7 @@ def _runs(positions: Sequence[int], bpc: int) -> list[list[int]]:
 def s2_store_runs(r: PlanRecord) -> list[Violation]:
     """S2: within a group, a store is one whole run per chunk.
 
-    DESIGN allows a short first run; kvcore stores whole chunks only, because a chunk
+    upstream allows a short first run; kvcore stores whole chunks only, because a chunk
     stored with null leading sub-blocks leaves CPU bytes unwritten that a later load
     starting mid-chunk reads. The copy path maps GPU blocks to CPU sub-blocks
     sequentially; any other shape puts bytes in the wrong sub-block of the wrong chunk.

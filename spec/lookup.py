@@ -1,6 +1,6 @@
 """The hit: how many tokens a request may load, defined by brute force over boundaries.
 
-This is the reference definition (DESIGN.md, "Lookup"). It is written to be obviously
+This is the reference definition (docs/semantics.md, "Lookup"). It is written to be obviously
 correct, not fast: the implementation's convergence loop must return the same value.
 
 A boundary T (tokens) is *supported* by group g when every key the group needs to resume

@@ -4,7 +4,7 @@ This is the model that ``kvcore.CPUOffloadManager`` is compared against, step by
 the refinement tests (TigerBeetle's state checker). It favours being obviously right over
 being fast: plain dicts, one recency list, and recomputation wherever a counter would do.
 
-Semantics (DESIGN.md, "Manager (CPU tier)"; invariant M1):
+Semantics (docs/semantics.md, "Manager: the CPU tier"; invariant M1):
 
 - Capacity is counted in chunks. A stored key is WRITING, READY, or READY and pinned by n
   loads. ``lookup`` answers HIT (READY, pinned or not), PENDING (WRITING) or MISS (absent).

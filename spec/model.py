@@ -13,7 +13,7 @@ written to be obviously right, not fast:
 - the job table is one dict; a request's jobs, the keys being loaded and the fence are
   found by scanning it; stale window blocks are found by scanning every tracked table.
 
-Hook semantics (DESIGN.md; where a rule is a choice DESIGN.md leaves open, the choice is
+Hook semantics (docs/semantics.md; where a rule is a choice it leaves open, the choice is
 stated here so that the implementation has a definition to match):
 
 - ``lookup`` rebuilds the request's block tables from the next step (the engine hands them

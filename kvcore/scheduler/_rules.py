@@ -1,4 +1,4 @@
-"""kvcore's own store, load and lookup-range rules (DESIGN.md, "Store", "Load", "Lookup").
+"""kvcore's own store, load and lookup-range rules (docs/semantics.md, "Store", "Load", "Lookup").
 
 These are the implementation's rules. ``kvcore.spec`` keeps an independent reference
 written from the same semantics (``kvcore.spec.model``) and the invariant predicates;

@@ -1,7 +1,7 @@
 """Unit tests for the CPU tier manager (LRU) and the reference manager it refines.
 
 Goal: pin the manager's observable behaviour, scenario by scenario, starting with
-upstream vLLM's manager catalogue (reference/vllm-offloading.md §7.4) reproduced against
+upstream vLLM's manager catalogue (docs/upstream.md §7.4) reproduced against
 kvcore's API with upstream's exact slot ids, plus kvcore's own rules: operating errors
 that name the key and change nothing, configuration errors that name the field, and
 runtime checking of M1.
@@ -154,7 +154,7 @@ def test_no_reuse_filter_first_seen_keys_are_stored(make: Callable[[int], Manage
 
     Upstream can wrap the tier in a filter that stores a key only after it was looked up
     ``store_threshold`` times. kvcore's tier has no such filter: what to offer is the
-    scheduler's decision (DESIGN.md, Store), and the tier stores whatever it is offered.
+    scheduler's decision (docs/semantics.md, Store), and the tier stores whatever it is offered.
     """
     m = make(4)
     assert m.lookup(k(1)[0]) is Status.MISS

@@ -2,7 +2,7 @@
 
 Goal: pin ARC's observable choices (which key goes, which slot comes back) and its
 bookkeeping (T1/T2 membership, ghost lists, the adaptive target ``p``), following
-upstream vLLM's ``TestARCPolicy`` catalogue (reference/vllm-offloading.md §7.4), with
+upstream vLLM's ``TestARCPolicy`` catalogue (docs/upstream.md §7.4), with
 exact answers where upstream only asserted "at least one eviction".
 
 Method: scenarios drive ``CPUOffloadManager(policy="arc", check=True)`` through its public

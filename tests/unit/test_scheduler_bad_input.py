@@ -1,6 +1,6 @@
 """Bad hook calls: each raises its documented error and leaves the scheduler as it was.
 
-Goal: the engine-facing hooks treat bad input as an operating error (STYLE.md): an unknown
+Goal: the engine-facing hooks treat bad input as an operating error (docs/style.md): an unknown
 request id, block id lists of the wrong group count, hashes shorter than the tokens
 claimed, a completion for an unknown job, more completions than workers, a duplicate
 report. Each raises a ``KeyError``/``ValueError`` subclass from ``kvcore.spec.errors``

@@ -1,10 +1,10 @@
-"""Upstream's scheduler scenario catalogue (reference/vllm-offloading.md §7.2), on kvcore's API.
+"""Upstream's scheduler scenario catalogue (docs/upstream.md §7.2), on kvcore's API.
 
 Goal: pin, scenario by scenario, what kvcore's scheduler does in each situation upstream
 vLLM's offloading connector tests: which GPU block positions are stored, loaded and
 flushed, what a lookup answers, when jobs complete and requests are forgotten. Each test
 names its §7.2 item in its docstring. Where kvcore differs from upstream on purpose
-(DESIGN.md: no all-groups fallback, draft FULL groups are widened, store holes are
+(docs/semantics.md: no all-groups fallback, draft FULL groups are widened, store holes are
 impossible, E1 uses the write frontier V, nothing is stored at finish, PENDING only when
 it changes the answer, invalid config values raise instead of meaning "no cap"), the test
 pins kvcore's answer and a comment says why.
@@ -736,7 +736,7 @@ def draft(kind: GroupKind = FULL, window: int | None = None) -> GroupSpec:
     ("eagle_verified_prevents_double_pop", [GroupSpec(FULL, 4), draft()], ["HHH", "HHH"],
      12, 8),
     # Upstream: 0 (W24 does not widen a FULL draft group, so at M = 4 it reads one key and
-    # pops it). kvcore widens every draft group (DESIGN.md, after #52771): chunk 1 is the
+    # pops it). kvcore widens every draft group (docs/semantics.md, after #52771): chunk 1 is the
     # extra hit chunk beyond T = 4, so 4 tokens are served.
     ("non_eagle_tighten_clears_eagle_verified", [GroupSpec(FULL, 4), draft()],
      ["HMM", "HHH"], 12, 4),

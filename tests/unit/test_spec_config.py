@@ -2,7 +2,7 @@
 
 Goal: every way an engine can describe its layout wrongly or ambiguously raises
 ``ConfigError`` naming the offending field, whatever else is right; real layouts (the
-presets DESIGN.md lists) are accepted; keys of different groups or prefixes never collide.
+presets kvcore/presets.py lists) are accepted; keys of different groups or prefixes never collide.
 
 Method: one parametrized table of invalid configs (Hypothesis keeps its invalid-argument
 cases the same way), each row a small edit of a valid base config and the ``.field`` it
@@ -199,7 +199,7 @@ def test_hash_error_suggests_a_divisor() -> None:
         build(hash_block_tokens=8)
 
 
-# Real layouts (DESIGN.md "Presets"), written out here so the spec is tested on its own.
+# Real layouts (kvcore/presets.py), written out here so the spec is tested on its own.
 VALID: list[tuple[str, tuple[GroupSpec, ...], dict[str, Any]]] = [
     ("Llama-3 + EAGLE-3", (GroupSpec(FULL, 16), GroupSpec(FULL, 16, is_draft=True)),
      {"hash_block_tokens": 16, "speculative": True}),

@@ -1,7 +1,7 @@
 """The hit (L1, L2, E4): upstream's known answers, and properties over random group mixes.
 
 Goal: pin the reference hit (``kvcore.spec.lookup``) from three sides. (1) The upstream
-tables of reference/vllm-offloading.md §2.2 (the two primitive lookups, as single-group
+tables of docs/upstream.md §2.2 (the two primitive lookups, as single-group
 layouts) and §2.3 (TestEagle) are reproduced where kvcore's semantics agree; where kvcore
 differs on purpose the row pins kvcore's value and says why. (2) Properties that must hold
 for any layout: the hit never exceeds the limit, every group supports it, a draft group
@@ -14,7 +14,7 @@ Method: Hypothesis draws 1..4 groups (chunk sizes 1..256 tokens that the hash si
 divides, windows, draft flags, blocks_per_chunk 1..4, MAMBA groups sharing a chunk size)
 and hit maps that are mostly HIT with a few MISS/PENDING edits, or random. Keys exist only
 for complete chunks: group g gets ``N // o_g`` statuses. Oracles here are written from
-DESIGN.md independently of ``spec.lookup`` (token-level window reach, brute force).
+docs/semantics.md independently of ``spec.lookup`` (token-level window reach, brute force).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def hit_of(cfg: OffloadConfig, req: Request, loading: Sequence[frozenset[int]] |
 
 def brute_force_hit(cfg: OffloadConfig, computed: int, num_tokens: int,
                     hits: Sequence[Sequence[Status]], pending_as: Status) -> int:
-    """DESIGN.md's hit by brute force: every boundary T, largest first."""
+    """docs/semantics.md's hit by brute force: every boundary T, largest first."""
     min_new = max(g.tokens_per_chunk for g in cfg.groups)
     for boundary in range(lookup_limit(cfg, num_tokens), computed, -1):
         if boundary - computed >= min_new and all(
@@ -100,7 +100,7 @@ def resolve(hits: tuple[tuple[Status, ...], ...], choices: Sequence[bool]
                  for row in hits)
 
 
-# -- upstream tables (reference/vllm-offloading.md §2.2, §2.3) --------------------------------
+# -- upstream tables (docs/upstream.md §2.2, §2.3) --------------------------------
 
 # §2.2 `_maximal_prefix_lookup`, as one FULL group with 4-token chunks and N = 4 * len(keys):
 # the count of consecutive hits becomes a hit of 4 * count tokens, None becomes PENDING.
@@ -178,7 +178,7 @@ EAGLE = [
     ("SWA eagle W=2, N=13, keys [1,2,3] hit", (eagle("S", 8),), 13, ("HHH",), 8),
     ("FULL + FULL eagle, all hit, N=12: the eagle shrink ends the loop",
      (eagle("F", draft=False), eagle("F")), 12, ("HHH", "HHH"), 8),
-    # kvcore differs (#52771, DESIGN "b + e for FULL"): a FULL draft group is widened like
+    # kvcore differs (#52771, docs/semantics.md: b + e for FULL): a FULL draft group is widened like
     # a window draft group, so its extra chunk 1 (a hit) is verified and chunk 0 served.
     # Upstream W24 did not widen FULL eagle groups, popped the only queried key and
     # returned 0, discarding a block that was actually hit.
@@ -212,7 +212,7 @@ def test_no_all_groups_fallback_for_hybrid_mamba() -> None:
 
 
 def test_window_reach_adds_a_chunk_at_an_unaligned_boundary() -> None:
-    """DESIGN: the window reaches back R tokens from T itself, not from the chunk end.
+    """Lookup rule: the window reaches back R tokens from T itself, not from the chunk end.
 
     SLIDING 4-token chunks, window 7 (W = 2, R = 6). At T = 9 the next token (9) attends
     to tokens 3..8: chunks 0, 1 and 2, one more than W. Measured from the chunk end (12),

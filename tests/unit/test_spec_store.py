@@ -8,7 +8,7 @@ not offered or skipped for a stated reason, never moves back, and a held-back ch
 offered once the frontier moves on (E2: no holes, across multi-step chunked prefill);
 SLIDING groups keep only the ``W + e`` chunks around each alignment segment end; prompt-only
 and max-token caps; null blocks are skipped; nothing is offered for unwritten tokens. The
-upstream store examples of reference/vllm-offloading.md §2.7 are reproduced, and where
+upstream store examples of docs/upstream.md §2.7 are reproduced, and where
 kvcore differs (no hole after a chunked-prefill store, #44784 / W24) the value is pinned.
 
 Method: a small driver replays a request's steps through ``group_offer``, carrying the
