@@ -154,7 +154,7 @@ def test_no_hole_after_a_chunked_prefill_store() -> None:
 
 
 def test_draft_tail_is_never_stored_even_at_finish() -> None:
-    """DESIGN: the chunk at the frontier is volatile at every step, finished requests included
+    """Semantics: the chunk at the frontier is volatile at every step, finished requests included
     (upstream W33 lifts the exclusion at finish; kvcore keeps E1 unconditional)."""
     cfg = make_config(GroupSpec(FULL, 4, is_draft=True))
     assert offered_chunks(cfg, 0, 16, [16, 16]) == [0, 1, 2]
