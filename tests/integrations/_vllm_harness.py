@@ -46,6 +46,8 @@ class SpecStandIn:
     these two members of it."""
 
     method: str = "mtp"
+    parallel_drafting: bool = False
+    num_speculative_tokens: int = 1
 
     def use_eagle_block_drop(self) -> bool:
         return self.method in ("eagle", "eagle3", "mtp")
@@ -129,7 +131,8 @@ class Harness:
         return tuple(new)
 
     def blocks(self, live: Live) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([KVCacheBlock(b) for b in t] for t in live.tables))
+        return KVCacheBlocks(tuple([KVCacheBlock(b, is_null=b == 0) for b in t]
+                                   for t in live.tables))
 
     def release(self, live: Live) -> None:
         for table in live.tables:
