@@ -55,10 +55,10 @@ DIFFERENCES: dict[str, tuple[int, str]] = {
                  "could end on (a shorter shared prefix), upstream only the window its own "
                  "prompt's boundary reaches: kvcore stores a superset, and a request that "
                  "shares only part of the prompt still gets a window hit"),
-    "mtp": (1, "kvcore withholds the draft group's chunk at the write frontier until the "
-            "frontier has passed it (the drafter rewrites it next step) and stores it "
-            "then; upstream 0.33 stores it at once when the request's hashes have no "
-            "lookahead, so the stored draft KV can be the drafter's stale write"),
+    "mtp": (1, "kvcore treats the draft group's chunk at the write frontier as volatile "
+            "in every step (the drafter may rewrite it once the next token is known) and "
+            "stores it a step later; upstream 0.33 stores it at once in these steps. The "
+            "cost is a deferred store, never a hit: the later lookup is the same"),
 }
 
 
