@@ -226,3 +226,27 @@ def test_import_gate_and_isolation() -> None:
                          timeout=300, check=True)
     assert "pip install kvcore[vllm]" in out.stdout
     assert kv_vllm.KvcoreConnector.get_required_kvcache_layout(None) == "LBHNC"
+
+
+def test_stats_are_interval_deltas_and_reach_prometheus() -> None:
+    """Mutant killed: stats reporting running totals (an interval would count twice)."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    h = mtp_harness()
+    a = h.new_request("A", list(range(13)))
+    h.admit(a)
+    h.step({"A": 13})
+    first = h.sched.get_kv_connector_stats()
+    assert first is not None and first.data["stores"] == 1
+    assert first.data["chunks_stored"] == 3 + 2
+    assert h.sched.get_kv_connector_stats() is None  # nothing happened since
+    registry = CollectorRegistry()
+    types = {Gauge: partial(Gauge, registry=registry), Counter: partial(Counter,
+             registry=registry), Histogram: partial(Histogram, registry=registry)}
+    prom = kv_vllm.KvcoreConnector.build_prom_metrics(h.config, types, ["engine"], {0: ["0"]})
+    prom.observe(first.data, 0)
+    prom.observe(first.data, 0)
+    assert registry.get_sample_value("vllm:kvcore_chunks_stored_total",
+                                     {"engine": "0"}) == 10

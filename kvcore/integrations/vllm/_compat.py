@@ -36,6 +36,7 @@ KVConnectorRole: Any = _base.KVConnectorRole
 KVConnectorTransferResults: Any = _base.KVConnectorTransferResults
 SupportsHMA: Any = _base.SupportsHMA
 KVConnectorStats: Any = _metrics.KVConnectorStats
+KVConnectorPromMetrics: Any = _metrics.KVConnectorPromMetrics
 BlockStored: Any = _events.BlockStored
 BlockRemoved: Any = _events.BlockRemoved
 FullAttentionSpec: Any = _iface.FullAttentionSpec

@@ -13,6 +13,7 @@ from typing import Any
 from kvcore.integrations.vllm import _compat as v
 from kvcore.integrations.vllm.config import translate
 from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWorkerMetadata
+from kvcore.integrations.vllm.metrics import KvcorePromMetrics
 from kvcore.integrations.vllm.scheduler_side import KvcoreConnectorStats, SchedulerSide
 from kvcore.integrations.vllm.worker_side import WorkerSide
 
@@ -140,3 +141,10 @@ class KvcoreConnector(v.KVConnectorBase_V1, v.SupportsHMA):  # type: ignore[misc
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KvcoreConnectorStats:
         return KvcoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvcorePromMetrics:
+        return KvcorePromMetrics(vllm_config, metric_types, labelnames,
+                                 per_engine_labelvalues)
