@@ -170,6 +170,7 @@ class Harness:
             ids = self.alloc(live, live.computed + tokens)
             if decoding and self.spec_tokens:
                 spec_tokens[rid] = [7] * self.spec_tokens
+                live.request.spec_token_ids = list(spec_tokens[rid])  # as vLLM's drafter
             live.request.num_computed_tokens = live.computed
             if fresh:
                 new_reqs.append(NewRequestData.from_request(
@@ -190,6 +191,10 @@ class Harness:
             preempted_req_ids=set(preempted))
         meta = self.sched.build_connector_meta(out)
         self.last_meta = meta
+        for plan in meta.stores:  # no store may cover an unverified draft token
+            length = self.live[plan.request_id].request.num_tokens
+            for gt in plan.groups:
+                assert gt.block_index + len(gt.gpu_block_ids) <= length // BLOCK, plan
         return self._run_worker(meta, work, deliver, fail_loads)
 
     def _run_worker(self, meta: Any, work: dict[str, int], deliver: bool,
@@ -250,6 +255,7 @@ class Harness:
             return
         decoding = live.computed >= req.num_prompt_tokens
         accepted = 1 if decoding and n > 1 else 0  # one draft token accepted per step
+        req.spec_token_ids = []
         req.append_output_token_ids([100 + self.step_no + i for i in range(1 + accepted)])
         live.computed = req.num_tokens - 1
 
