@@ -82,5 +82,19 @@ if timeout 300 "$PY" benchmarks/gpu_bench.py --json "$OUT/gpu_bench.json" \
 else
     log "benchmark FAILED (exit ${PIPESTATUS[0]}); see $OUT/gpu_bench.log"; STATUS=1
 fi
+log "5/5 vLLM end to end with KvcoreConnector (needs vllm with CUDA and a local model)"
+# KVCORE_VLLM_MODEL: a local model directory with an MTP head (or set KVCORE_VLLM_DRAFT to
+# an EAGLE drafter and KVCORE_VLLM_METHOD=eagle). Skipped without a GPU, vllm or a model.
+if [ -n "${KVCORE_VLLM_MODEL:-}" ] && "$PY" -c "import torch, vllm; assert torch.cuda.is_available()" 2>/dev/null; then
+    if timeout 900 "$PY" benchmarks/vllm_e2e.py --model "$KVCORE_VLLM_MODEL" \
+            ${KVCORE_VLLM_DRAFT:+--draft "$KVCORE_VLLM_DRAFT"} --method "${KVCORE_VLLM_METHOD:-mtp}" \
+            --json "$OUT/vllm_e2e.json" >"$OUT/vllm_e2e.log" 2>&1; then
+        log "vLLM end to end passed (identical outputs, CPU-tier hits); see $OUT/vllm_e2e.json"
+    else
+        log "vLLM end to end FAILED; see $OUT/vllm_e2e.log"; tail -n 30 "$OUT/vllm_e2e.log"; STATUS=1
+    fi
+else
+    log "vLLM end to end SKIPPED (set KVCORE_VLLM_MODEL to a local model; needs vllm and a GPU)"
+fi
 log "exit $STATUS"
 exit $STATUS

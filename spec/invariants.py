@@ -104,6 +104,7 @@ class LookupRecord:
     hits: HitMap
     loading: tuple[frozenset[int], ...] | None
     result: LookupResult
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -303,7 +304,8 @@ def e4_draft_extra_chunk_hit(r: LookupRecord) -> list[Violation]:
 
 def l1_hit_matches_spec(r: LookupRecord) -> list[Violation]:
     """L1: the hit equals the spec's hit (largest boundary every group supports)."""
-    want = spec_hit(r.config, r.computed, r.num_tokens, r.hits, r.loading)
+    want = spec_hit(r.config, r.computed, r.num_tokens, r.hits, r.loading,
+                    max_tokens=r.max_tokens)
     if want is PENDING or r.result is PENDING or want == r.result:
         return []
     return [Violation("L1", f"lookup returned {r.result}, the spec's hit is {want}",
@@ -360,7 +362,8 @@ def l3_load_covers_every_block(r: LoadCoverageRecord) -> list[Violation]:
 
 def l2_pending_exactly_when_uncertain(r: LookupRecord) -> list[Violation]:
     """L2: PENDING exactly when the answer is uncertain or a needed key is being loaded."""
-    want = spec_hit(r.config, r.computed, r.num_tokens, r.hits, r.loading)
+    want = spec_hit(r.config, r.computed, r.num_tokens, r.hits, r.loading,
+                    max_tokens=r.max_tokens)
     if (want is PENDING) == (r.result is PENDING):
         return []
     return [Violation("L2", f"lookup returned {r.result}, the spec says {want}",

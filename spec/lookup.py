@@ -112,11 +112,27 @@ def candidate_boundaries(cfg: OffloadConfig, computed: int, limit: int) -> list[
     return sorted((t for t in points if computed < t <= limit), reverse=True)
 
 
+def capped_limit(cfg: OffloadConfig, computed: int, num_tokens: int,
+                 max_tokens: int | None) -> int:
+    """The lookup limit, lowered to ``computed + max_tokens`` when the engine caps the hit.
+
+    The cap only lowers the largest boundary tested: the hit is then the largest
+    *supported* boundary at or below it, never a supported one above it cut down to an
+    unsupported one (a window or Mamba group may support none in between).
+    """
+    limit = lookup_limit(cfg, num_tokens)
+    return limit if max_tokens is None else min(limit, computed + max_tokens)
+
+
 def hit_for(cfg: OffloadConfig, computed: int, num_tokens: int, hits: HitMap,
-            pending_as: Status) -> int:
-    """The largest ``T - C`` with every group supporting T and ``T - C >= o`` for all groups."""
+            pending_as: Status, *, max_tokens: int | None = None) -> int:
+    """The largest ``T - C`` with every group supporting T and ``T - C >= o`` for all groups.
+
+    ``max_tokens`` caps ``T - C`` (the engine's "load at most this many tokens").
+    """
     min_new = max(g.tokens_per_chunk for g in cfg.groups)
-    for boundary in candidate_boundaries(cfg, computed, lookup_limit(cfg, num_tokens)):
+    limit = capped_limit(cfg, computed, num_tokens, max_tokens)
+    for boundary in candidate_boundaries(cfg, computed, limit):
         if boundary - computed < min_new:
             break
         if all(group_supports(g, hits[i], boundary, computed, pending_as)
@@ -136,15 +152,17 @@ def served_keys_loading(cfg: OffloadConfig, computed: int, hit: int,
 
 
 def spec_hit(cfg: OffloadConfig, computed: int, num_tokens: int, hits: HitMap,
-             loading: Sequence[frozenset[int]] | None = None) -> LookupResult:
+             loading: Sequence[frozenset[int]] | None = None, *,
+             max_tokens: int | None = None) -> LookupResult:
     """The lookup answer: the hit, 0, or PENDING (L1, L2).
 
     PENDING is decided on the whole lookup: the hit is computed with PENDING read as HIT and
     as MISS; if the answers differ the request must ask again, if they agree an unknown key
-    could not change the answer and the request is not deferred.
+    could not change the answer and the request is not deferred. ``max_tokens`` caps the
+    hit (see ``capped_limit``).
     """
-    optimistic = hit_for(cfg, computed, num_tokens, hits, Status.HIT)
-    pessimistic = hit_for(cfg, computed, num_tokens, hits, Status.MISS)
+    optimistic = hit_for(cfg, computed, num_tokens, hits, Status.HIT, max_tokens=max_tokens)
+    pessimistic = hit_for(cfg, computed, num_tokens, hits, Status.MISS, max_tokens=max_tokens)
     if optimistic != pessimistic:
         return PENDING
     if optimistic > 0 and loading is not None and served_keys_loading(

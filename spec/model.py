@@ -334,12 +334,20 @@ class ReferenceScheduler:
 
     # -- lookup --------------------------------------------------------------------------
 
-    def lookup(self, request_id: str, computed_tokens: int, num_tokens: int) -> LookupResult:
-        """The spec's hit over the manager's full hit map; PENDING while jobs are in flight."""
+    def lookup(self, request_id: str, computed_tokens: int, num_tokens: int, *,
+               max_tokens: int | None = None) -> LookupResult:
+        """The spec's hit over the manager's full hit map; PENDING while jobs are in flight.
+
+        ``max_tokens`` caps the hit (the largest supported boundary at or below the cap).
+        """
         check_request_id("lookup", request_id)
         for name, value in (("computed_tokens", computed_tokens), ("num_tokens", num_tokens)):
             check_int("lookup", name, value)
         req = self._req(request_id)
+        if max_tokens is not None and (isinstance(max_tokens, bool)
+                                       or not isinstance(max_tokens, int) or max_tokens < 0):
+            raise BadStepError(f"request {request_id!r}: max_tokens={max_tokens!r} must be "
+                               "None (no cap) or an int >= 0")
         hbt = self.config.hash_block_tokens
         if num_tokens // hbt > len(req.hashes):
             raise BadStepError(f"request {request_id!r}: {num_tokens} tokens claimed but "
@@ -360,7 +368,8 @@ class ReferenceScheduler:
         hits = [[self.manager.lookup(k) for k in ks] for ks in keys]
         loading = self._loading_keys()
         being_loaded = [frozenset(i for i, k in enumerate(ks) if k in loading) for ks in keys]
-        result = spec_hit(self.config, computed_tokens, num_tokens, hits, being_loaded)
+        result = spec_hit(self.config, computed_tokens, num_tokens, hits, being_loaded,
+                          max_tokens=max_tokens)
         hit = result if isinstance(result, int) else 0
         self._touch(keys, computed_tokens + hit)
         if result is PENDING:

@@ -109,16 +109,20 @@ def _first_miss(is_hit: HitFn, group: int, start: int, end: int) -> int | None:
 
 
 def converge(cfg: OffloadConfig, computed: int, num_tokens: int, num_keys: Sequence[int],
-             is_hit: HitFn, extra_chunks: Callable[[int, int], int] | None = None
-             ) -> Convergence:
+             is_hit: HitFn, extra_chunks: Callable[[int, int], int] | None = None, *,
+             max_tokens: int | None = None) -> Convergence:
     """Run the convergence loop; ``extra_chunks(group, verification_no)`` is the pop rule.
 
     The default pop rule is E3's: every verification of a draft group requires exactly one
     extra chunk. (The bug zoo swaps in broken rules to show the checks catch them.)
+    ``max_tokens`` caps the hit: the loop starts at ``computed + max_tokens`` at most and,
+    as always, only ever moves down to boundaries a group supports.
     """
     pops = extra_chunks or (lambda group, _n: cfg.groups[group].extra_chunks)
     min_new = max(g.tokens_per_chunk for g in cfg.groups)
     boundary = lookup_limit(cfg, num_tokens)
+    if max_tokens is not None:
+        boundary = min(boundary, computed + max_tokens)
     for i, g in enumerate(cfg.groups):
         boundary = min(boundary, max(num_keys[i] - g.extra_chunks, 0) * g.tokens_per_chunk)
     trace: list[TraceEntry] = []

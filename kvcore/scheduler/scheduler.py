@@ -142,16 +142,23 @@ class OffloadScheduler:
 
     # -- lookup -------------------------------------------------------------------------
 
-    def lookup(self, request_id: str, computed_tokens: int, num_tokens: int) -> LookupResult:
+    def lookup(self, request_id: str, computed_tokens: int, num_tokens: int, *,
+               max_tokens: int | None = None) -> LookupResult:
         """Tokens beyond ``computed_tokens`` the request may load, 0, or PENDING.
 
         PENDING while the request has jobs in flight (J1), while an unknown key could
         change the answer, or while another request is loading a chunk it would read.
+        ``max_tokens`` caps the hit (an engine's "load at most this many"): the answer is
+        the largest boundary every group supports at or below the cap.
         """
         check_request_id("lookup", request_id)
         check_int("lookup", "computed_tokens", computed_tokens)
         check_int("lookup", "num_tokens", num_tokens)
         req = self._req(request_id)
+        if max_tokens is not None and (isinstance(max_tokens, bool)
+                                       or not isinstance(max_tokens, int) or max_tokens < 0):
+            raise BadStepError(f"request {request_id!r}: max_tokens={max_tokens!r} must be "
+                               "None (no cap) or an int >= 0")
         if num_tokens // self.config.hash_block_tokens > len(req.hashes):
             raise BadStepError(f"request {request_id!r}: {num_tokens} tokens claimed but "
                                f"only {len(req.hashes)} hashes of "
@@ -169,19 +176,20 @@ class OffloadScheduler:
         if req.skip_reading:
             req.looked_up = (computed_tokens, 0)
             return 0
-        result, conv, _ = self._lookup_hit(req, computed_tokens, num_tokens)
+        result, conv, _ = self._lookup_hit(req, computed_tokens, num_tokens, max_tokens)
         if isinstance(result, int):
             req.looked_up = (computed_tokens, result)
         self._touch(req, computed_tokens + (result if isinstance(result, int) else 0))
         if self.check:
-            self._check_lookup(req, computed_tokens, num_tokens, result, conv)
+            self._check_lookup(req, computed_tokens, num_tokens, result, conv, max_tokens)
         if result is PENDING:
             self._stats.deferrals += 1
         elif isinstance(result, int):
             self._stats.hit_tokens += result
         return result
 
-    def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int
+    def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int,
+                    max_tokens: int | None = None
                     ) -> tuple[LookupResult, Convergence, dict[tuple[int, int], Status]]:
         statuses: dict[tuple[int, int], Status] = {}
 
@@ -193,11 +201,12 @@ class OffloadScheduler:
 
         num_keys = [len(k) for k in req.keys]
         optimistic = converge(self.config, computed, num_tokens, num_keys,
-                              lambda g, i: status(g, i) is not Status.MISS)
+                              lambda g, i: status(g, i) is not Status.MISS,
+                              max_tokens=max_tokens)
         conv = optimistic
         if any(s is Status.PENDING for s in statuses.values()):
             conv = converge(self.config, computed, num_tokens, num_keys,
-                            lambda g, i: status(g, i) is Status.HIT)
+                            lambda g, i: status(g, i) is Status.HIT, max_tokens=max_tokens)
             if conv.hit != optimistic.hit:
                 return PENDING, conv, statuses
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
@@ -615,13 +624,15 @@ class OffloadScheduler:
         self._enforce([KeyRecord(triples)])
 
     def _check_lookup(self, req: RequestState, computed: int, num_tokens: int,
-                      result: LookupResult, conv: Convergence) -> None:
+                      result: LookupResult, conv: Convergence,
+                      max_tokens: int | None = None) -> None:
         hits = tuple(tuple(self.manager.lookup(k) for k in keys) for keys in req.keys)
         loading = tuple(frozenset(i for i, k in enumerate(keys) if k in self._jobs.loading)
                         for keys in req.keys)
         draft = tuple(g.is_draft for g in self.config.groups)
         final = computed + conv.hit if conv.hit else 0
-        self._enforce([LookupRecord(self.config, computed, num_tokens, hits, loading, result),
+        self._enforce([LookupRecord(self.config, computed, num_tokens, hits, loading, result,
+                                    max_tokens),
                  LookupTraceRecord(draft, conv.trace, final),
                  JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id),
                                 result is not PENDING)])

@@ -1,0 +1,185 @@
+"""vLLM's KV-cache layout and speculative set-up, translated into a kvcore ``OffloadConfig``.
+
+The connector offloads every prefix-cacheable group vLLM has (so no group bounds a hit,
+and vLLM's ``max_num_new_tokens`` cap is never needed for kvcore's own groups). Each
+vLLM spec maps to one kvcore group kind; anything kvcore cannot describe exactly is a
+``ConfigError`` that says what to set, never a silent fallback.
+
+CPU capacity: ``cpu_bytes`` is this worker rank's pinned-memory budget. Today kvcore's
+transfer engine gives every group's tensors ``num_cpu_blocks`` chunk rows and the
+manager shares those slots across groups, so ``num_cpu_blocks = cpu_bytes // (sum over
+groups of the bytes one chunk of that group takes on this rank)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcore.integrations.vllm import _compat as v
+from kvcore.spec.errors import ConfigError
+from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
+
+POLICIES = ("lru", "arc")
+KNOWN_KEYS = frozenset({"cpu_bytes", "eviction_policy", "check", "blocks_per_chunk",
+                        "draft_kv_elsewhere", "draft_groups", "offload_prompt_only"})
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """What the connector needs beyond the ``OffloadConfig``.
+
+    ``group_ids`` maps kvcore group ``i`` to vLLM's KV-cache group ``group_ids[i]``;
+    ``layer_names[i]`` are that group's layers (the worker registers their tensors).
+    ``chunk_bytes[i]`` is one chunk of group ``i`` on this rank, in bytes.
+    """
+
+    config: OffloadConfig
+    group_ids: tuple[int, ...]
+    layer_names: tuple[tuple[str, ...], ...]
+    chunk_bytes: tuple[int, ...]
+    eviction_policy: str
+    check: bool
+    rank: int
+
+
+def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key}",
+                          f"{key}={value!r} must be true or false")
+    return value
+
+
+def _positive_int(extra: Mapping[str, Any], key: str, default: int | None) -> int:
+    value = extra.get(key, default)
+    if value is None:
+        raise ConfigError(f"kv_connector_extra_config.{key}",
+                          f"{key} is required: set it to this rank's pinned CPU budget in "
+                          "bytes, e.g. {\"cpu_bytes\": 8589934592} for 8 GiB")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config.{key}",
+                          f"{key}={value!r} must be a positive int")
+    return value
+
+
+def group_kind(index: int, spec: Any) -> tuple[GroupKind, int | None, int]:
+    """(kind, window_tokens, extra_retained_tokens) of vLLM group ``index``."""
+    kinds = {_kind_of(index, s) for s in v.layer_specs(spec)}
+    if len(kinds) != 1:
+        raise ConfigError(f"kv_cache_groups[{index}]",
+                          f"the group mixes layer kinds {sorted(map(str, kinds))}; kvcore "
+                          "offloads a group only if all its layers attend the same way")
+    return kinds.pop()
+
+
+def _kind_of(index: int, spec: Any) -> tuple[GroupKind, int | None, int]:
+    if isinstance(spec, v.SlidingWindowSpec):
+        return GroupKind.SLIDING, int(spec.sliding_window), int(spec.extra_retained_tokens)
+    if isinstance(spec, v.MambaSpec):
+        return GroupKind.MAMBA, None, 0
+    if type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") and isinstance(
+            spec, v.FullAttentionSpec) and spec.attention_chunk_size is None:
+        # A full-attention spec keeps every block even when its layer has a window, so
+        # serving it as FULL is exact.
+        return GroupKind.FULL, None, 0
+    raise ConfigError(f"kv_cache_groups[{index}]",
+                      f"{type(spec).__name__} has no kvcore group kind (FULL, SLIDING or "
+                      "MAMBA); run without kvcore offloading for this model")
+
+
+def _bytes_per_block(group: Any) -> int:
+    """One block of the group on this rank (scheduler and worker configs agree)."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, v.UniformTypeKVCacheSpecs):
+        return int(spec.page_size_bytes)
+    return int(spec.page_size_bytes) * len(group.layer_names)
+
+
+def _draft_groups(vllm_config: Any, kv_cache_config: Any, offloaded: tuple[int, ...],
+                  extra: Mapping[str, Any]) -> tuple[bool, frozenset[int], bool]:
+    """(speculative, vLLM ids of draft groups, draft_kv_elsewhere)."""
+    spec_cfg = vllm_config.speculative_config
+    volatile = spec_cfg is not None and bool(spec_cfg.use_eagle_block_drop())
+    elsewhere = _flag(extra, "draft_kv_elsewhere", False)
+    if "draft_groups" in extra:
+        given = extra["draft_groups"]
+        if not isinstance(given, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x in offloaded for x in given):
+            raise ConfigError("kv_connector_extra_config.draft_groups",
+                              f"draft_groups={given!r} must list vLLM KV-cache group ids "
+                              f"among the offloaded groups {list(offloaded)}")
+        drafts = frozenset(given)
+    else:
+        drafts = frozenset(
+            gid for gid in offloaded
+            if kv_cache_config.kv_cache_groups[gid].is_eagle_group
+            or any(s.is_draft for s in v.layer_specs(
+                kv_cache_config.kv_cache_groups[gid].kv_cache_spec)))
+    if not volatile:
+        if drafts or elsewhere:
+            raise ConfigError("kv_connector_extra_config.draft_groups",
+                              "a draft group or draft_kv_elsewhere is set but vLLM runs no "
+                              "EAGLE/MTP drafter whose KV depends on the next token; remove it")
+        return False, frozenset(), False
+    if not drafts and not elsewhere:
+        raise ConfigError("kv_connector_extra_config.draft_groups",
+                          f"speculative method {spec_cfg.method!r} writes draft KV, but no "
+                          "offloaded KV-cache group is marked as holding the drafter's "
+                          "layers; set \"draft_groups\": [<vLLM group id>] for the group "
+                          "holding them, or \"draft_kv_elsewhere\": true if the drafter's "
+                          "KV is in no offloaded group")
+    return True, drafts, elsewhere and not drafts
+
+
+def translate(vllm_config: Any, kv_cache_config: Any) -> ConnectorOptions:
+    """Build the ``OffloadConfig`` and options from vLLM's config objects."""
+    extra: Mapping[str, Any] = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    unknown = sorted(set(extra) - KNOWN_KEYS)
+    if unknown:
+        raise ConfigError("kv_connector_extra_config",
+                          f"unknown keys {unknown}; known: {sorted(KNOWN_KEYS)}")
+    if kv_cache_config.hisparse_host_num_blocks is not None:
+        raise ConfigError("kv_cache_config", "HiSparse host caches are not supported by "
+                          "kvcore's connector; turn HiSparse off or use OffloadingConnector")
+    policy = extra.get("eviction_policy", "lru")
+    if policy not in POLICIES:
+        raise ConfigError("kv_connector_extra_config.eviction_policy",
+                          f"eviction_policy={policy!r}; choose one of {list(POLICIES)}")
+    offloaded = tuple(kv_cache_config.prefix_cacheable_group_ids)
+    if not offloaded:
+        raise ConfigError("kv_cache_groups", "no prefix-cacheable KV-cache group to offload; "
+                          "enable prefix caching (--enable-prefix-caching)")
+    bpc = _positive_int(extra, "blocks_per_chunk", 1)
+    dcp = vllm_config.parallel_config.decode_context_parallel_size
+    _, hash_tokens = v.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    speculative, drafts, elsewhere = _draft_groups(vllm_config, kv_cache_config, offloaded,
+                                                   extra)
+    groups: list[GroupSpec] = []
+    chunk_bytes: list[int] = []
+    for gid in offloaded:
+        group = kv_cache_config.kv_cache_groups[gid]
+        kind, window, retained = group_kind(gid, group.kv_cache_spec)
+        tpb = int(v.resolve_dcp_kv_block_size(group.kv_cache_spec, dcp))
+        groups.append(GroupSpec(kind, tpb, bpc, window_tokens=window, is_draft=gid in drafts,
+                                extra_retained_tokens=retained, name=f"vllm-group-{gid}"))
+        chunk_bytes.append(_bytes_per_block(group) * bpc)
+    cpu_bytes = _positive_int(extra, "cpu_bytes", None)
+    num_cpu_blocks = cpu_bytes // sum(chunk_bytes)
+    if num_cpu_blocks < 1:
+        raise ConfigError("kv_connector_extra_config.cpu_bytes",
+                          f"cpu_bytes={cpu_bytes} holds no chunk: one chunk of every group "
+                          f"takes {sum(chunk_bytes)} bytes on this rank; set at least that")
+    config = OffloadConfig(tuple(groups), hash_block_tokens=int(hash_tokens),
+                           num_gpu_blocks=int(kv_cache_config.num_blocks),
+                           num_cpu_blocks=num_cpu_blocks,
+                           num_workers=int(vllm_config.parallel_config.world_size),
+                           prompt_only=_flag(extra, "offload_prompt_only", False),
+                           speculative=speculative, draft_kv_elsewhere=elsewhere,
+                           name="vllm")
+    return ConnectorOptions(config, offloaded,
+                            tuple(tuple(kv_cache_config.kv_cache_groups[g].layer_names)
+                                  for g in offloaded),
+                            tuple(chunk_bytes), policy, _flag(extra, "check", False),
+                            int(vllm_config.parallel_config.rank))

