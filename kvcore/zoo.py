@@ -108,9 +108,10 @@ def _pop_patch(rule: Callable[[OffloadConfig, int, int], int]) -> Callable[[], A
         original = _lookup.converge
 
         def converge(cfg: OffloadConfig, computed: int, num_tokens: int, num_keys: Any,
-                     is_hit: Any, extra_chunks: Any = None) -> Any:
+                     is_hit: Any, extra_chunks: Any = None, max_tokens: int | None = None
+                     ) -> Any:
             return original(cfg, computed, num_tokens, num_keys, is_hit,
-                            lambda g, n: rule(cfg, g, n))
+                            lambda g, n: rule(cfg, g, n), max_tokens=max_tokens)
         with mock.patch.object(_sched, "converge", converge):
             yield None
     return apply
@@ -121,7 +122,8 @@ def _lookup_hit_patch(mode: str) -> Callable[[], Any]:
     second run); ``as-miss`` with PENDING read as MISS; ``any-unknown`` answers PENDING
     whenever a scanned key is unknown, even when the answer cannot change (vLLM 0.33).
     Stateless, so one lookup's answer never leaks into another's."""
-    def _lookup_hit(self: OffloadScheduler, req: Any, computed: int, num_tokens: int
+    def _lookup_hit(self: OffloadScheduler, req: Any, computed: int, num_tokens: int,
+                    max_tokens: int | None = None
                     ) -> tuple[Any, Any, dict[tuple[int, int], Status]]:
         statuses: dict[tuple[int, int], Status] = {}
 
@@ -133,7 +135,8 @@ def _lookup_hit_patch(mode: str) -> Callable[[], Any]:
         hits = (Status.HIT,) if mode == "as-miss" else (Status.HIT, Status.PENDING)
         # The module's name, not _lookup's: a patched loop (another mutant) is seen too.
         conv = _sched.converge(  # type: ignore[attr-defined]
-            self.config, computed, num_tokens, num_keys, lambda g, i: status(g, i) in hits)
+            self.config, computed, num_tokens, num_keys, lambda g, i: status(g, i) in hits,
+            max_tokens=max_tokens)
         if mode == "any-unknown" and Status.PENDING in statuses.values():
             return PENDING, conv, statuses
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
@@ -150,9 +153,12 @@ def _converge_patch(*, min_per_group: bool = False, rearm_on_draft_shrink: bool 
     is never re-checked; re-verification only after a non-draft group shrinks the
     boundary; Mamba groups never re-verified, so a shrink leaves the hit off their chunk."""
     def converge(cfg: OffloadConfig, computed: int, num_tokens: int, num_keys: Any,
-                 is_hit: Any, extra_chunks: Any = None) -> Convergence:
+                 is_hit: Any, extra_chunks: Any = None, max_tokens: int | None = None
+                 ) -> Convergence:
         min_new = max(g.tokens_per_chunk for g in cfg.groups)
         boundary = _rules.lookup_limit(cfg, num_tokens)
+        if max_tokens is not None:
+            boundary = min(boundary, computed + max_tokens)
         for i, g in enumerate(cfg.groups):
             boundary = min(boundary, max(num_keys[i] - g.extra_chunks, 0) * g.tokens_per_chunk)
         trace: list[TraceEntry] = []

@@ -12,9 +12,9 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import cast
 
-from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError
+from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, BadKeyError
 from kvcore.spec.plans import TransferPlan
-from kvcore.spec.types import Key
+from kvcore.spec.types import KEY_GROUP_BYTES, Key
 
 # Limits on what a hook accepts. A hash longer than 64 bytes is no hash function an engine
 # uses (SHA-256 is 32, vLLM's are 8-32); a request id of more than 1024 characters is a
@@ -305,3 +305,35 @@ class SchedulerStats:
     extra: dict[str, int] = field(default_factory=dict)
     events_dropped: int = 0
 
+
+# -- manager arguments (type checks shared by kvcore's tier and the reference) -----------
+
+# A key is a hash plus the group's bytes (``make_key``); anything longer is not a key.
+MAX_KEY_BYTES = MAX_HASH_BYTES + KEY_GROUP_BYTES
+
+_BYTES = frozenset({bytes})
+
+
+def check_key(where: str, key: object) -> None:
+    """Raise BadKeyError unless ``key`` is ``bytes`` of 1..MAX_KEY_BYTES (a type check)."""
+    if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+        raise BadKeyError(where, key, MAX_KEY_BYTES)
+
+
+def check_keys(where: str, keys: object) -> None:
+    """Raise unless ``keys`` is a list or tuple of valid keys (a ``str`` or ``bytes`` is
+    not a sequence of keys: iterating it would give characters or ints)."""
+    if not isinstance(keys, list | tuple):
+        raise ArgumentTypeError(where, "keys", keys, "a list or tuple of bytes keys",
+                                "wrap the keys in a list")
+    if keys and (not set(map(type, keys)) <= _BYTES
+                 or not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY_BYTES):
+        for key in keys:
+            check_key(where, key)
+
+
+def check_success(where: str, success: object) -> None:
+    """``success`` must be a ``bool``: "no" or 0 must not count as an outcome."""
+    if type(success) is not bool:
+        raise ArgumentTypeError(where, "success", success, "bool",
+                                "pass True if every byte landed, else False")

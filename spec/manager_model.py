@@ -42,17 +42,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcore.spec.errors import (
-    ArgumentTypeError,
-    BadKeyError,
     ConfigError,
     InvalidKeyError,
     KeyNotReadyError,
     NotPinnedError,
 )
-from kvcore.spec.hooks import MAX_HASH_BYTES
+from kvcore.spec.hooks import check_key, check_keys, check_success
 from kvcore.spec.types import (
     DEFAULT_MAX_PENDING_EVENTS,
-    KEY_GROUP_BYTES,
     Key,
     Status,
     check_pending_events,
@@ -60,8 +57,6 @@ from kvcore.spec.types import (
 
 # A limit on everything: a capacity beyond this is a units mistake (bytes for chunks).
 MAX_CAPACITY_CHUNKS = 1 << 40
-# A key is a hash plus the group's bytes (``make_key``); anything longer is not a key.
-MAX_KEY_BYTES = MAX_HASH_BYTES + KEY_GROUP_BYTES
 
 # -- values -----------------------------------------------------------------------------
 
@@ -129,34 +124,6 @@ def check_key_types(keys: Sequence[object]) -> None:
     for key in keys:
         if type(key) is not bytes:
             raise InvalidKeyError(key)
-
-
-_BYTES = frozenset({bytes})
-
-
-def check_key(where: str, key: object) -> None:
-    """Raise BadKeyError unless ``key`` is ``bytes`` of 1..MAX_KEY_BYTES (a type check)."""
-    if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
-        raise BadKeyError(where, key, MAX_KEY_BYTES)
-
-
-def check_keys(where: str, keys: object) -> None:
-    """Raise unless ``keys`` is a list or tuple of valid keys (a ``str`` or ``bytes`` is
-    not a sequence of keys: iterating it would give characters or ints)."""
-    if not isinstance(keys, list | tuple):
-        raise ArgumentTypeError(where, "keys", keys, "a list or tuple of bytes keys",
-                                "wrap the keys in a list")
-    if keys and (not set(map(type, keys)) <= _BYTES
-                 or not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY_BYTES):
-        for key in keys:
-            check_key(where, key)
-
-
-def check_success(where: str, success: object) -> None:
-    """``success`` must be a ``bool``: "no" or 0 must not count as an outcome."""
-    if type(success) is not bool:
-        raise ArgumentTypeError(where, "success", success, "bool",
-                                "pass True if every byte landed, else False")
 
 
 # -- the model --------------------------------------------------------------------------

@@ -27,16 +27,13 @@ from kvcore.spec.errors import (
     KeyNotReadyError,
     NotPinnedError,
 )
+from kvcore.spec.hooks import MAX_KEY_BYTES, check_key, check_keys, check_success
 from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
 from kvcore.spec.manager_model import (
     MAX_CAPACITY_CHUNKS,
-    MAX_KEY_BYTES,
     ManagerEvent,
     ManagerStats,
     PrepareStoreResult,
-    check_key,
-    check_keys,
-    check_success,
 )
 from kvcore.spec.types import DEFAULT_MAX_PENDING_EVENTS, Key, Status, check_pending_events
 

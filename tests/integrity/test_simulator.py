@@ -90,18 +90,19 @@ def test_crash_shape_420k_runs_clean() -> None:
     assert report.offload_hit_tokens > 300_000
 
 
-def _sim(name: str, **options: object) -> Simulator:
+def _sim(name: str, check: bool = True, **options: object) -> Simulator:
     base: dict[str, object] = {"seed": 2, "requests": 16, "context_tokens": 400,
                                "shared_prefix_rate": 1.0, "fail_rate": 0.0,
                                "reset_rate": 0.0, "abort_rate": 0.0}
     base.update(options)
-    return Simulator(preset(name), SimOptions(**base), check=True)  # type: ignore[arg-type]
+    return Simulator(preset(name), SimOptions(**base), check=check)  # type: ignore[arg-type]
 
 
 def test_a_load_that_skips_a_promised_block_is_caught() -> None:
     """The coverage half of the byte check: a load plan that leaves the first block it
     should fill untouched (first_unfilled one too far) passes the plan's own byte check
-    (every block it copies is right) but not coverage."""
+    (every block it copies is right) but not coverage. Runtime checks are off, so the
+    simulator's own byte check must catch it (with them on, L3 fires first)."""
     from unittest import mock
 
     from kvcore.scheduler import _rules
@@ -111,7 +112,7 @@ def test_a_load_that_skips_a_promised_block_is_caught() -> None:
 
     def skips_one(table, valid_blocks, end):  # type: ignore[no-untyped-def]
         return min(original(table, valid_blocks, end) + 1, end)
-    sim = _sim("gpt-oss")
+    sim = _sim("gpt-oss", check=False)
     with mock.patch.object(_rules, "first_unfilled", skips_one), \
             pytest.raises(IntegrityError, match="told loaded"):
         sim.run()

@@ -267,7 +267,7 @@ def test_check_exit_code_per_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_a_surviving_mutant_is_a_correctness_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     _stub_battery(monkeypatch, None)
-    survivor = _check.MutantOutcome("m", "upstream#1", False, "", "gpt-oss", 0.0)
+    survivor = _check.MutantOutcome("m", "upstream#1", "E1", "survived", "", "gpt-oss", 0.0)
     monkeypatch.setattr(_check, "run_mutants", lambda *_a, **_k: [survivor])
     assert main(["check", "--preset", "gpt-oss", "--mutants"]) == EXIT_FAIL
 
