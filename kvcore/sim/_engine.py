@@ -35,6 +35,9 @@ from kvcore.spec.plans import TransferPlan, sub_block_position
 from kvcore.spec.types import GroupKind, OffloadConfig, Status, cdiv
 from kvcore.transfer import TransferEngine
 
+# The largest CPU tier (in chunks) the simulator shadows with the reference manager.
+SHADOW_MAX_CHUNKS = 8192
+
 
 class IntegrityError(AssertionError):
     """A loaded block does not hold the bytes of the prefix it was loaded for."""
@@ -95,9 +98,11 @@ class Simulator:
         self.config = cfg = replace(config, **overrides)
         self.rng = random.Random(f"sim:{opts.seed}")
         policy = opts.policy or "lru"
-        # With checks on, the tier runs in lock step with the reference manager (M2).
+        # With checks on, the tier runs in lock step with the reference manager (M2); the
+        # reference is quadratic by design, so only for tiers the size kvcore check uses.
+        shadow = check and cfg.num_cpu_blocks <= SHADOW_MAX_CHUNKS
         self.manager: Any = ShadowedManager(cfg.num_cpu_blocks, policy, check=True) \
-            if check else CPUOffloadManager(cfg.num_cpu_blocks, policy, check=False)
+            if shadow else CPUOffloadManager(cfg.num_cpu_blocks, policy, check=check)
         factory = scheduler_factory or OffloadScheduler
         self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
         self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,
