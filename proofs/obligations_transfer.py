@@ -8,8 +8,8 @@ not negative and no destination (a GPU block for a load, a CPU chunk for a store
 written twice. Rejection is a ``KVCopyError``; anything else escaping is a failure.
 
 The domain: ``blocks_per_chunk`` 2, ``num_gpu_blocks`` 3 and ``num_cpu_blocks`` 2,
-loads and stores, up to 2 GPU ids in -1..3 and up to 2 CPU slots in -1..2 (so B1 can
-fail both ways: 0, a negative, the pool size itself), ``block_index`` 0..1 (a whole
+loads and stores, up to 2 GPU ids in 0..3 and up to 2 CPU slots in 0..2 (so B1 can
+fail at both bounds: the null block 0 and the pool size itself), ``block_index`` 0..1 (a whole
 or a half chunk first). Values are bounded because the rejection message formats
 them, which makes CrossHair enumerate them; a negative ``block_index`` is rejected
 first, before any other check.
@@ -62,8 +62,8 @@ def plan_check_matches_b1_s1(store: bool, bpc: int, num_gpu: int, num_cpu: int,
     pre: bpc == 2
     pre: num_gpu == 3 and num_cpu == 2
     pre: 0 <= block_index <= 1
-    pre: len(ids) <= 2 and all(-1 <= i <= 3 for i in ids)
-    pre: len(slots) <= 2 and all(-1 <= s <= 2 for s in slots)
+    pre: len(ids) <= 2 and all(0 <= i <= 3 for i in ids)
+    pre: len(slots) <= 2 and all(0 <= s <= 2 for s in slots)
     post: __return__
     """
     return _validate(store, bpc, num_gpu, num_cpu, block_index, ids, slots)
@@ -85,8 +85,8 @@ def mutant_gpu_bound_inclusive(store: bool, bpc: int, num_gpu: int, num_cpu: int
     pre: bpc == 2
     pre: num_gpu == 3 and num_cpu == 2
     pre: 0 <= block_index <= 1
-    pre: len(ids) <= 2 and all(-1 <= i <= 3 for i in ids)
-    pre: len(slots) <= 2 and all(-1 <= s <= 2 for s in slots)
+    pre: len(ids) <= 2 and all(0 <= i <= 3 for i in ids)
+    pre: len(slots) <= 2 and all(0 <= s <= 2 for s in slots)
     post: __return__
     """
     with GPU_BOUND_INCLUSIVE.applied():
@@ -100,8 +100,8 @@ def mutant_cpu_unbounded(store: bool, bpc: int, num_gpu: int, num_cpu: int,
     pre: bpc == 2
     pre: num_gpu == 3 and num_cpu == 2
     pre: 0 <= block_index <= 1
-    pre: len(ids) <= 2 and all(-1 <= i <= 3 for i in ids)
-    pre: len(slots) <= 2 and all(-1 <= s <= 2 for s in slots)
+    pre: len(ids) <= 2 and all(0 <= i <= 3 for i in ids)
+    pre: len(slots) <= 2 and all(0 <= s <= 2 for s in slots)
     post: __return__
     """
     with CPU_UNBOUNDED.applied():
@@ -109,7 +109,7 @@ def mutant_cpu_unbounded(store: bool, bpc: int, num_gpu: int, num_cpu: int,
 
 
 OBLIGATIONS = (
-    Obligation("plan_check_matches_b1_s1", CONFIRMED, 120, 20, 1),
-    Obligation("mutant_gpu_bound_inclusive", REFUTED, 60, 20, 8.2, "plan_check_matches_b1_s1"),
+    Obligation("plan_check_matches_b1_s1", CONFIRMED, 200, 20, 39.0),
+    Obligation("mutant_gpu_bound_inclusive", REFUTED, 60, 20, 10.5, "plan_check_matches_b1_s1"),
     Obligation("mutant_cpu_unbounded", REFUTED, 90, 20, 13.6, "plan_check_matches_b1_s1"),
 )
