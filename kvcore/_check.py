@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvcore._proofs import ProofReport
 from kvcore._scenarios import SCENARIOS, ScenarioFailure
 from kvcore.scheduler import OffloadScheduler
 from kvcore.sim import IntegrityError, SimOptions, Simulator
@@ -356,20 +355,16 @@ def run_mutants(layouts: dict[str, OffloadConfig] | None = None, *, seeds: int,
 
 
 def proofs_dir() -> Path | None:
-    """The proofs folder of a source checkout, or None for an installed wheel."""
-    candidate = Path(__file__).resolve().parent.parent / "proofs"
-    return candidate if (candidate / "test_proofs.py").exists() else None
+    """The proofs folder: a source checkout's proofs/, or the installed kvcore.proofs."""
+    from kvcore import _proofs
+
+    source = _proofs.locate()
+    return source.folder if source is not None else None
 
 
-def run_proofs() -> tuple[bool | None, str]:
-    """Run ``pytest proofs`` (CrossHair, explicit budgets); None when not in a checkout."""
-    folder = proofs_dir()
-    if folder is None:
-        return None, "skipped: proofs/ is only in a source checkout"
-    cmd = [sys.executable, "-m", "pytest", str(folder), "-q", "-n", "2", "-p", "no:cacheprovider"]
-    with contextlib.suppress(FileNotFoundError):
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                              cwd=folder.parent)
-        tail = (done.stdout + done.stderr).strip().splitlines()
-        return done.returncode == 0, tail[-1] if tail else ""
-    return False, "pytest not found"
+def run_proofs(progress: Callable[[str], None] | None = None) -> ProofReport:
+    """Run the CrossHair obligations (``kvcore._proofs``); status "confirmed",
+    "inconclusive" (a budget ran out: not a correctness failure), "failed" or "skipped"."""
+    from kvcore import _proofs
+
+    return _proofs.run_proofs(progress or (lambda line: print(line, flush=True)))
