@@ -11,7 +11,7 @@ hook's records to ``kvcore.spec.invariants``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -200,13 +200,19 @@ class OffloadScheduler:
             return s
 
         num_keys = [len(k) for k in req.keys]
-        optimistic = converge(self.config, computed, num_tokens, num_keys,
-                              lambda g, i: status(g, i) is not Status.MISS,
-                              max_tokens=max_tokens)
+
+        def run(is_hit: Callable[[int, int], bool]) -> Convergence:
+            # The cap is passed only when set, so loops swapped in with the older
+            # signature (the bug zoo's) keep working uncapped.
+            if max_tokens is None:
+                return converge(self.config, computed, num_tokens, num_keys, is_hit)
+            return converge(self.config, computed, num_tokens, num_keys, is_hit,
+                            max_tokens=max_tokens)
+
+        optimistic = run(lambda g, i: status(g, i) is not Status.MISS)
         conv = optimistic
         if any(s is Status.PENDING for s in statuses.values()):
-            conv = converge(self.config, computed, num_tokens, num_keys,
-                            lambda g, i: status(g, i) is Status.HIT, max_tokens=max_tokens)
+            conv = run(lambda g, i: status(g, i) is Status.HIT)
             if conv.hit != optimistic.hit:
                 return PENDING, conv, statuses
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
