@@ -114,7 +114,7 @@ def load_any_size(tpb: int, bpc: int, draft: bool, computed: int, hit: int, vali
     pre: 1 <= bpc <= 2
     pre: 0 <= computed and 1 <= hit and computed + hit <= 1000000
     pre: computed // tpb <= valid <= (computed + hit + tpb - 1) // tpb <= valid + 3
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 3 and all(0 <= i < num_gpu for i in ids)
     pre: not any(ids[i - 1] != 0 and ids[i] == 0 for i in range(1, 3))
     post: __return__
@@ -142,7 +142,7 @@ def mutant_first_unfilled_skips(tpb: int, bpc: int, draft: bool, computed: int, 
     pre: 1 <= bpc <= 2
     pre: 0 <= computed and 1 <= hit and computed + hit <= 1000000
     pre: computed // tpb <= valid <= (computed + hit + tpb - 1) // tpb <= valid + 3
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 3 and all(0 <= i < num_gpu for i in ids)
     pre: not any(ids[i - 1] != 0 and ids[i] == 0 for i in range(1, 3))
     post: __return__
@@ -159,7 +159,7 @@ def mutant_end_rounded_down(tpb: int, bpc: int, draft: bool, computed: int, hit:
     pre: 1 <= bpc <= 2
     pre: 0 <= computed and 1 <= hit and computed + hit <= 1000000
     pre: computed // tpb <= valid <= (computed + hit + tpb - 1) // tpb <= valid + 3
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 3 and all(0 <= i < num_gpu for i in ids)
     pre: not any(ids[i - 1] != 0 and ids[i] == 0 for i in range(1, 3))
     post: __return__
@@ -205,7 +205,7 @@ def load_layouts(layout: int, computed: int, hit: int, valid: int, num_gpu: int,
     pre: 0 <= computed <= 1
     pre: 1 <= hit <= 4
     pre: 0 <= valid <= 5
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 5 and all(0 <= i < num_gpu for i in ids)
     post: __return__
     """
@@ -226,7 +226,7 @@ def mutant_served_unchecked(layout: int, computed: int, hit: int, valid: int, nu
     pre: 0 <= computed <= 1
     pre: 1 <= hit <= 4
     pre: 0 <= valid <= 5
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 5 and all(0 <= i < num_gpu for i in ids)
     post: __return__
     """
@@ -242,7 +242,7 @@ def mutant_null_at_end(layout: int, computed: int, hit: int, valid: int, num_gpu
     pre: 0 <= computed <= 1
     pre: 1 <= hit <= 4
     pre: 0 <= valid <= 5
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 5 and all(0 <= i < num_gpu for i in ids)
     post: __return__
     """

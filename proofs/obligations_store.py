@@ -126,11 +126,11 @@ def _prefix(frontier: int, prompt: int, cap: int, request_cap: int, prompt_only:
 def storable_prefix_rule(frontier: int, prompt: int, cap: int, request_cap: int,
                          prompt_only: bool) -> bool:
     """storable_prefix equals U as the semantics state it, for every frontier and prompt
-    length in 0..10**12, max_offload_tokens and the request's cap None or 0..10**12, and
-    prompt_only either way.
+    length in 0..10**12, max_offload_tokens None or 0..2**24 (its config limit), the
+    request's cap None or 0..10**12, and prompt_only either way.
 
     pre: 0 <= frontier <= 10**12 and 0 <= prompt <= 10**12
-    pre: -1 <= cap <= 10**12 and -1 <= request_cap <= 10**12
+    pre: -1 <= cap <= 16777216 and -1 <= request_cap <= 10**12
     post: __return__
     """
     return _prefix(frontier, prompt, cap, request_cap, prompt_only)
@@ -146,7 +146,7 @@ def mutant_prompt_only_ignored(frontier: int, prompt: int, cap: int, request_cap
     """storable_prefix_rule with storable_prefix ignoring prompt_only.
 
     pre: 0 <= frontier <= 10**12 and 0 <= prompt <= 10**12
-    pre: -1 <= cap <= 10**12 and -1 <= request_cap <= 10**12
+    pre: -1 <= cap <= 16777216 and -1 <= request_cap <= 10**12
     post: __return__
     """
     with PROMPT_ONLY_IGNORED.applied():
@@ -283,7 +283,7 @@ def store_plan_layouts(layout: int, cursor: int, frontier: int, num_gpu: int,
     pre: 0 <= layout < 6
     pre: 0 <= cursor <= 2
     pre: 0 <= frontier <= 4
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 6 and all(0 <= i < num_gpu for i in ids)
     pre: len(accept) == 4
     pre: len(slots) == 4 and all(0 <= s < 64 for s in slots)
@@ -306,7 +306,7 @@ def mutant_store_positions_shifted(layout: int, cursor: int, frontier: int, num_
     pre: 0 <= layout < 6
     pre: 0 <= cursor <= 2
     pre: 0 <= frontier <= 4
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 6 and all(0 <= i < num_gpu for i in ids)
     pre: len(accept) == 4
     pre: len(slots) == 4 and all(0 <= s < 64 for s in slots)
@@ -323,7 +323,7 @@ def mutant_store_last_block_only(layout: int, cursor: int, frontier: int, num_gp
     pre: 0 <= layout < 6
     pre: 0 <= cursor <= 2
     pre: 0 <= frontier <= 4
-    pre: 2 <= num_gpu
+    pre: 2 <= num_gpu <= 16777216
     pre: len(ids) == 6 and all(0 <= i < num_gpu for i in ids)
     pre: len(accept) == 4
     pre: len(slots) == 4 and all(0 <= s < 64 for s in slots)
