@@ -85,8 +85,24 @@ if root in where.parents:
 print(f"  kvcore from {where.parent}")
 have_vllm = importlib.util.find_spec("vllm") is not None
 imported, skipped = [], []
+
+
+def cannot_walk(name: str) -> None:
+    # Walking imports each package; the vLLM connector's package refuses to import
+    # without vllm (a clear ImportError naming the extra), which is the designed outcome.
+    if not (name.startswith("kvcore.integrations.vllm") and not have_vllm):
+        sys.exit(f"wheel-check: FAILED: cannot walk {name}")
+
+
 names = [m.name for m in pkgutil.walk_packages(kvcore.__path__, "kvcore.",
-                                               onerror=lambda n: sys.exit(f"cannot walk {n}"))]
+                                               onerror=cannot_walk)]
+if not have_vllm:
+    try:
+        importlib.import_module("kvcore.integrations.vllm")
+        sys.exit("wheel-check: FAILED: kvcore.integrations.vllm imported without vllm")
+    except ImportError as exc:
+        if "kvcore[vllm]" not in str(exc):
+            sys.exit(f"wheel-check: FAILED: the vllm ImportError does not name the extra: {exc}")
 for name in ["kvcore", *names]:
     if name.startswith("kvcore.integrations.vllm") and not have_vllm:
         skipped.append(f"{name} (vllm is not installed: the optional extra kvcore[vllm])")
