@@ -91,7 +91,11 @@ class Engine:
         self.work = {"stores": 0, "keys": 0, "flushes": 0, "loads": 0, "storing_reqs": 0}
         rss0 = rss_bytes()
         for i in range(requests):
+            # Admit one request at a time and complete its stores, so the tier's LRU can
+            # evict older chunks instead of refusing while everything is still WRITING.
             self.prefill(Live(f"r{i}", i, context - i))
+            self.sched.worker_output(self.pending)
+            self.pending = []
         self.hash_blocks = sum(live.hashed for live in self.live.values())
         self.bytes_per_hash = (rss_bytes() - rss0) / max(self.hash_blocks, 1)
 
@@ -140,6 +144,19 @@ class Engine:
                 if table[pos]:
                     self.free.append(table[pos])
                     table[pos] = 0
+        return tuple(tuple(t) for t in live.tables)
+
+    def resume_tables(self, live: Live, upto: int) -> tuple[tuple[int, ...], ...]:
+        """A preempted request's rebuilt tables: full groups get every block, window
+        groups only the window's (null blocks before it), as an engine allocates them."""
+        for group, g in enumerate(self.cfg.groups):
+            n = cdiv(upto, g.tokens_per_block)
+            if g.kind is GroupKind.FULL or g.window_tokens is None:
+                live.tables[group] = self.take(n)
+            else:
+                keep = min(n, cdiv(g.window_tokens, g.tokens_per_block) + 2)
+                live.tables[group] = [0] * (n - keep) + self.take(keep)
+                live.freed[group] = n - keep
         return tuple(tuple(t) for t in live.tables)
 
     def release(self, live: Live) -> None:
@@ -210,9 +227,10 @@ class Engine:
                 continue
             n = live.tokens
             is_resumed = live.rid == resumed
-            blocks = self.grow(live, n + SPEC_TOKENS)
             if is_resumed:
-                blocks = tuple(tuple(t) for t in live.tables)
+                blocks = self.resume_tables(live, n + SPEC_TOKENS)
+            else:
+                blocks = self.grow(live, n + SPEC_TOKENS)
             step.append(ScheduledRequest(live.rid, 1 + SPEC_TOKENS, n - 1, n, blocks,
                                          self.new_hashes(live), resumed=is_resumed))
             live.tokens = n + 1 + SPEC_TOKENS
@@ -229,7 +247,7 @@ class Engine:
 
     def lookups(self, repeats: int) -> tuple[float, float]:
         """Median (cold, warm) lookup in ms of a fresh request with a tracked prompt."""
-        donor = next(iter(self.live.values()))
+        donor = list(self.live.values())[-1]  # the latest admitted: its chunks are in the tier
         tokens = donor.tokens - 1
         hashes = self.hashes(donor, 0, tokens)
         cold, warm = [], []
