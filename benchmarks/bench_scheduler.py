@@ -20,8 +20,10 @@ stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of
 one (a second lookup of the same request). Memory: RSS growth over the set-up divided by
 the hash blocks tracked.
 
-vLLM's own scheduler is not driven here (see the report in the branch history); the
-figures are kvcore's alone.
+Not yet here: the same workload through vLLM's ``OffloadingConnectorScheduler`` for
+ratios in one run; the figures are kvcore's alone. The admission (finish, add, lookup,
+load, prefill store) is timed apart from the decode part, since its cost follows the
+prompt length by nature.
 """
 
 from __future__ import annotations
