@@ -21,7 +21,9 @@ class GroupKeys:
 
     Chunk ``i`` of a group with ``hpc`` hashes per chunk ends at hash ``(i + 1) * hpc - 1``,
     and its key is that hash plus the group suffix (``make_key``); the hash list only
-    grows, so the length follows it and nothing is cached that could go stale.
+    grows, so the length follows it and nothing is cached that could go stale. The
+    hashes are ``bytes`` (``check_hashes`` admits no other type), so ``hash + suffix``
+    is exactly ``make_key(hash, group)``.
     """
 
     __slots__ = ("_hashes", "_hpc", "_suffix")
@@ -44,19 +46,20 @@ class GroupKeys:
     def __getitem__(self, index: int | slice) -> Key | list[Key]:
         hpc, hashes, suffix = self._hpc, self._hashes, self._suffix
         if isinstance(index, slice):
-            return [bytes(hashes[(i + 1) * hpc - 1]) + suffix
-                    for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [hashes[(i + 1) * hpc - 1] + suffix for i in range(start, stop, step)]
+            # Chunk ends are every hpc-th hash: one strided slice, no index arithmetic.
+            return [h + suffix for h in hashes[(start + 1) * hpc - 1:stop * hpc:hpc]]
         n = len(self)
         if index < 0:
             index += n
         if not 0 <= index < n:
             raise IndexError(f"chunk {index} outside 0..{n - 1}")
-        return bytes(hashes[(index + 1) * hpc - 1]) + suffix
+        return hashes[(index + 1) * hpc - 1] + suffix
 
     def __iter__(self) -> Iterator[Key]:
-        hpc, hashes, suffix = self._hpc, self._hashes, self._suffix
-        for i in range(len(self)):
-            yield bytes(hashes[(i + 1) * hpc - 1]) + suffix
+        yield from self[:]
 
 
 @dataclass
