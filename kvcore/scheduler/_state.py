@@ -1,15 +1,65 @@
 """Per-request state and the job table (with the fence index).
 
-Keys are extended incrementally as hashes arrive, and every index here is keyed by what a
-hook touches (a request, a job, a GPU id), so a step costs O(new work), never O(context).
+Keys are derived from the hash list when read (``GroupKeys``), never stored: a lookup of
+a 128K-token DeepSeek-V4 prompt reads about 500 of its 50K keys, and the hashes are what
+the request must keep anyway. Every index here is keyed by what a hook touches (a
+request, a job, a GPU id), so a step costs O(new work), never O(context).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import overload
 
 from kvcore.spec.plans import JobKind, TransferPlan
 from kvcore.spec.types import Key, OffloadConfig, make_key
+
+
+class GroupKeys:
+    """One group's chunk keys as a read-only sequence over the request's hash list.
+
+    Chunk ``i`` of a group with ``hpc`` hashes per chunk ends at hash ``(i + 1) * hpc - 1``,
+    and its key is that hash plus the group suffix (``make_key``); the hash list only
+    grows, so the length follows it and nothing is cached that could go stale. The
+    hashes are ``bytes`` (``check_hashes`` admits no other type), so ``hash + suffix``
+    is exactly ``make_key(hash, group)``.
+    """
+
+    __slots__ = ("_hashes", "_hpc", "_suffix")
+
+    def __init__(self, hashes: list[bytes], hashes_per_chunk: int, group: int) -> None:
+        self._hashes = hashes
+        self._hpc = hashes_per_chunk
+        # make_key's encoding of the group, computed once (and range-checked by it).
+        self._suffix = make_key(b"", group)
+
+    def __len__(self) -> int:
+        return len(self._hashes) // self._hpc
+
+    @overload
+    def __getitem__(self, index: int) -> Key: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Key]: ...
+
+    def __getitem__(self, index: int | slice) -> Key | list[Key]:
+        hpc, hashes, suffix = self._hpc, self._hashes, self._suffix
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [hashes[(i + 1) * hpc - 1] + suffix for i in range(start, stop, step)]
+            # Chunk ends are every hpc-th hash: one strided slice, no index arithmetic.
+            return [h + suffix for h in hashes[(start + 1) * hpc - 1:stop * hpc:hpc]]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"chunk {index} outside 0..{n - 1}")
+        return hashes[(index + 1) * hpc - 1] + suffix
+
+    def __iter__(self) -> Iterator[Key]:
+        yield from self[:]
 
 
 @dataclass
@@ -21,7 +71,7 @@ class RequestState:
     max_offload_tokens: int | None
     skip_reading: bool
     hashes: list[bytes]
-    keys: list[list[Key]]
+    keys: list[GroupKeys]
     tables: list[list[int]]
     cursors: list[int]
     jobs: set[int] = field(default_factory=set)
@@ -33,12 +83,15 @@ class RequestState:
     # or rebuilding its tables removes exactly those entries.
     window_ids: set[int] = field(default_factory=set)
 
-    def extend_keys(self, cfg: OffloadConfig) -> None:
-        """Append keys for chunks completed by new hashes (only the new ones are built)."""
-        for group, keys in enumerate(self.keys):
-            hpc = cfg.hashes_per_chunk(group)
-            for i in range(len(keys), len(self.hashes) // hpc):
-                keys.append(make_key(self.hashes[(i + 1) * hpc - 1], group))
+    @classmethod
+    def fresh(cls, cfg: OffloadConfig, request_id: str, prompt_tokens: int,
+              max_offload_tokens: int | None, skip_reading: bool,
+              hashes: list[bytes]) -> RequestState:
+        """A new request's state; its keys read ``hashes`` (extend that list in place)."""
+        n = len(cfg.groups)
+        keys = [GroupKeys(hashes, cfg.hashes_per_chunk(g), g) for g in range(n)]
+        return cls(request_id, prompt_tokens, max_offload_tokens, skip_reading, hashes,
+                   keys, [[] for _ in range(n)], [0] * n)
 
 
 @dataclass

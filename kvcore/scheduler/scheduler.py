@@ -113,11 +113,9 @@ class OffloadScheduler:
         hash_len = _validate.hash_length("add_request", "block_hashes", self._hash_len,
                                          info.block_hashes)
         self._hash_len = hash_len
-        n = len(self.config.groups)
-        req = RequestState(info.request_id, info.prompt_tokens, info.max_offload_tokens,
-                           info.skip_reading, list(info.block_hashes),
-                           [[] for _ in range(n)], [[] for _ in range(n)], [0] * n)
-        req.extend_keys(self.config)
+        req = RequestState.fresh(self.config, info.request_id, info.prompt_tokens,
+                                 info.max_offload_tokens, info.skip_reading,
+                                 list(info.block_hashes))
         self._reqs[info.request_id] = req
         if self.check:
             self._check_keys(req)
@@ -138,7 +136,6 @@ class OffloadScheduler:
         req = self._req(request_id)
         self._hash_len = _validate.hash_length("add_hashes", "hashes", self._hash_len, new)
         req.hashes.extend(new)
-        req.extend_keys(self.config)
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -234,7 +231,7 @@ class OffloadScheduler:
         for group, g in enumerate(self.config.groups):
             keys = req.keys[group]
             if g.kind is GroupKind.FULL:
-                self.manager.touch(keys)
+                self.manager.touch(keys[:])
             else:
                 hit_chunks = boundary // g.tokens_per_chunk
                 reach = reach_chunks(g) + g.extra_chunks
@@ -398,7 +395,6 @@ class OffloadScheduler:
     def _apply_blocks(self, req: RequestState, sr: ScheduledRequest) -> None:
         if sr.new_hashes:
             req.hashes.extend(sr.new_hashes)
-            req.extend_keys(self.config)
         if sr.resumed:
             self._unindex(req)
             req.tables = [[] for _ in self.config.groups]
