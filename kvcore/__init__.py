@@ -21,7 +21,13 @@ from kvcore.scheduler import (
     StepPlan,
     WorkerReport,
 )
-from kvcore.spec.errors import ConfigError, InvariantViolation, KVCopyError
+from kvcore.spec.errors import (
+    ConfigError,
+    InvariantViolation,
+    KVCopyError,
+    KVCoreError,
+    TransferArgumentError,
+)
 from kvcore.spec.types import PENDING, GroupKind, GroupSpec, OffloadConfig, StoreLevel
 
 if TYPE_CHECKING:
@@ -35,6 +41,7 @@ __all__ = [
     "GroupSpec",
     "InvariantViolation",
     "KVCopyError",
+    "KVCoreError",
     "LoadFailure",
     "OffloadConfig",
     "OffloadManager",
@@ -45,6 +52,7 @@ __all__ = [
     "StepInput",
     "StepPlan",
     "StoreLevel",
+    "TransferArgumentError",
     "TransferEngine",
     "TransferResult",
     "WorkerReport",

@@ -7,7 +7,7 @@ manager that the implementation is compared against; the store and load rules ar
 written there, block by block, sharing no function with ``kvcore.scheduler``).
 """
 
-from kvcore.spec.errors import ConfigError, InvariantViolation, KVCopyError
+from kvcore.spec.errors import ConfigError, InvariantViolation, KVCopyError, KVCoreError
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import (
     PENDING,
@@ -31,6 +31,7 @@ __all__ = [
     "InvariantViolation",
     "JobKind",
     "KVCopyError",
+    "KVCoreError",
     "Key",
     "LookupResult",
     "OffloadConfig",

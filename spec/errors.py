@@ -1,4 +1,4 @@
-"""The three errors users see, defined once.
+"""Every error kvcore raises, defined once; each is a ``KVCoreError``.
 
 They live in ``spec`` (standard library only) because the spec's own validation raises
 ``ConfigError`` and its predicates feed ``InvariantViolation``; ``kvcore`` re-exports them.
@@ -16,7 +16,14 @@ from typing import Any
 Key = bytes
 
 
-class ConfigError(ValueError):
+class KVCoreError(Exception):
+    """The base of every error kvcore raises, so ``except KVCoreError`` catches exactly
+    kvcore's own. Each subclass also derives from the builtin that fits (``ValueError``,
+    ``TypeError``, ``KeyError``...), so existing ``except ValueError`` handlers keep working.
+    """
+
+
+class ConfigError(KVCoreError, ValueError):
     """Raised when a configuration is invalid or ambiguous.
 
     ``field`` names the offending field (dotted, e.g. ``groups[1].window_tokens``) so tools
@@ -29,7 +36,7 @@ class ConfigError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-class KVCopyError(RuntimeError):
+class KVCopyError(KVCoreError, RuntimeError):
     """Raised when a copy descriptor is invalid; no byte has moved when it is raised.
 
     The copy library validates every descriptor before the first byte moves (invariant B1),
@@ -58,7 +65,7 @@ class KVCopyError(RuntimeError):
         super().__init__(message)
 
 
-class InvariantViolation(AssertionError):
+class InvariantViolation(KVCoreError, AssertionError):
     """Raised when runtime checking finds a broken invariant: a bug in kvcore, not the engine.
 
     ``ids`` lists the broken invariant ids (``"E1"``, ``"B1"``...) and ``violations`` the
@@ -73,23 +80,23 @@ class InvariantViolation(AssertionError):
         lines = [f"{v.id}: {v.message}" for v in self.violations]
         super().__init__("invariants broken: " + "; ".join(lines))
 
-class UnknownRequestError(KeyError):
+class UnknownRequestError(KVCoreError, KeyError):
     """A scheduler hook named a request it does not track (add_request first)."""
 
 
-class UnknownJobError(KeyError):
+class UnknownJobError(KVCoreError, KeyError):
     """A worker reported a job the scheduler never issued (or already completed)."""
 
 
-class BadReportError(ValueError):
+class BadReportError(KVCoreError, ValueError):
     """A worker report is a duplicate, or comes from a worker outside num_workers."""
 
 
-class BadStepError(ValueError):
+class BadStepError(KVCoreError, ValueError):
     """A hook's arguments contradict the config or the request (group count, hashes)."""
 
 
-class BlockTableError(ValueError):
+class BlockTableError(KVCoreError, ValueError):
     """The engine's block table cannot hold what it claims (too short, or a null inside)."""
 
 
@@ -102,7 +109,7 @@ def short_key(key: object) -> str:
     return text[:36] + "...'" + size
 
 
-class KeyNotReadyError(KeyError):
+class KeyNotReadyError(KVCoreError, KeyError):
     """Raised by ``prepare_load`` for a key that is absent or still being written.
 
     A load may only read a READY chunk; ``state`` is ``"absent"`` or ``"writing"``. The
@@ -121,7 +128,7 @@ class KeyNotReadyError(KeyError):
         return self.message
 
 
-class NotPinnedError(ValueError):
+class NotPinnedError(KVCoreError, ValueError):
     """Raised by ``complete_load`` for a key with no load in flight to complete.
 
     ``state`` is ``"absent"``, ``"writing"``, ``"ready"`` (pin count 0) or ``"pinned"``;
@@ -143,7 +150,7 @@ class NotPinnedError(ValueError):
         return self.message
 
 
-class InvalidKeyError(TypeError):
+class InvalidKeyError(KVCoreError, TypeError):
     """Raised by ``prepare_store`` for a key that is not ``bytes`` (make_key builds keys).
 
     Checked where keys enter the tier, so a wrong type cannot hide in the contents.
@@ -170,48 +177,48 @@ def _short_value(value: object) -> str:
     return text if len(text) <= 60 else text[:56] + "...'"
 
 
-class ArgumentTypeError(TypeError):
+class _ArgumentError(KVCoreError):
+    """The fields every argument error carries; the message is the subclass's."""
+
+    def __init__(self, where: str, argument: str, value: object, bound: str,
+                 fix: str) -> None:
+        self.where = where
+        self.argument = argument
+        self.value = value
+        self.bound = bound
+        self.fix = fix
+        self.message = self._message()
+        super().__init__(self.message)
+
+    def _message(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ArgumentTypeError(_ArgumentError, TypeError):
     """An argument of the wrong type: a ``str`` hash, a ``bool`` count, a list for an id.
 
     ``bound`` names the type expected. Checked before any state changes, so a caller that
     catches it can fix the call and go on with an unchanged scheduler or manager.
     """
 
-    def __init__(self, where: str, argument: str, value: object, bound: str,
-                 fix: str) -> None:
-        self.where = where
-        self.argument = argument
-        self.value = value
-        self.bound = bound
-        self.fix = fix
-        self.message = (f"{where}: {argument}={_short_value(value)} is a "
-                        f"{type(value).__name__}, expected {bound}; {fix}")
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
+    def _message(self) -> str:
+        return (f"{self.where}: {self.argument}={_short_value(self.value)} is a "
+                f"{type(self.value).__name__}, expected {self.bound}; {self.fix}")
 
 
-class ArgumentRangeError(ValueError):
+class ArgumentRangeError(_ArgumentError, ValueError):
     """An argument of the right type outside its range (a negative count, a job id 0).
 
     ``bound`` says the allowed range; the message names the argument, the value and what
     to pass instead. Nothing has changed when it is raised.
     """
 
-    def __init__(self, where: str, argument: str, value: object, bound: str,
-                 fix: str) -> None:
-        self.where = where
-        self.argument = argument
-        self.value = value
-        self.bound = bound
-        self.fix = fix
-        self.message = (f"{where}: {argument}={_short_value(value)} is outside {bound}; "
-                        f"{fix}")
-        super().__init__(self.message)
-
-    def __str__(self) -> str:
-        return self.message
+    def _message(self) -> str:
+        return (f"{self.where}: {self.argument}={_short_value(self.value)} is outside "
+                f"{self.bound}; {self.fix}")
 
 
 class BlockIdError(ArgumentRangeError):
@@ -272,7 +279,7 @@ class BadKeyError(InvalidKeyError):
                         "kvcore.spec.types.make_key")
 
 
-class TransferArgumentError(ValueError):
+class TransferArgumentError(KVCoreError, ValueError):
     """``TransferEngine`` refused an argument: a tensor or buffer to register, or a call's plan.
 
     Raised before anything is registered or queued, so the engine is unchanged. ``where``

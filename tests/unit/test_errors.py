@@ -1,0 +1,44 @@
+"""Every error kvcore raises is a ``KVCoreError`` and the builtin that fits.
+
+An engine catches ``KVCoreError`` to tell kvcore's refusals from its own bugs; a class
+added to ``kvcore.spec.errors`` without the base (or without a builtin base, so that an
+existing ``except ValueError`` no longer catches it) fails here.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import kvcore
+from kvcore.spec import errors
+
+CLASSES = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+           if issubclass(c, BaseException) and c.__module__ == errors.__name__]
+BUILTINS = (ValueError, TypeError, KeyError, RuntimeError, AssertionError)
+
+
+def test_the_module_defines_the_errors_users_see() -> None:
+    names = {c.__name__ for c in CLASSES}
+    assert {"ConfigError", "KVCopyError", "InvariantViolation", "ArgumentTypeError",
+            "ArgumentRangeError", "BlockIdError", "TransferArgumentError"} <= names
+
+
+@pytest.mark.parametrize("cls", [c for c in CLASSES if c is not errors.KVCoreError],
+                         ids=lambda c: c.__name__)
+def test_each_error_is_a_kvcore_error_and_a_builtin(cls: type) -> None:
+    assert issubclass(cls, errors.KVCoreError)
+    if not cls.__name__.startswith("_"):
+        assert issubclass(cls, BUILTINS), f"{cls.__name__} derives from no fitting builtin"
+
+
+def test_argument_errors_carry_their_fields_and_teach() -> None:
+    exc = errors.ArgumentRangeError("lookup", "num_tokens", -1, "0..2**40", "pass a count")
+    assert isinstance(exc, ValueError) and isinstance(exc, kvcore.KVCoreError)
+    assert (exc.where, exc.argument, exc.value, exc.bound) == ("lookup", "num_tokens", -1,
+                                                               "0..2**40")
+    assert str(exc) == "lookup: num_tokens=-1 is outside 0..2**40; pass a count"
+    typed = errors.ArgumentTypeError("lookup", "num_tokens", "7", "int", "pass an int")
+    assert isinstance(typed, TypeError)
+    assert str(typed) == "lookup: num_tokens='7' is a str, expected int; pass an int"
