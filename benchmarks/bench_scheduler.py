@@ -61,7 +61,7 @@ class Bench:
         # The tier is full in both contexts (8K x 256 requests already exceeds it), so both
         # pay for eviction: the ratio then isolates the cost of context.
         self.cfg = replace(base, num_gpu_blocks=1 << 30, num_cpu_blocks=1 << 16)
-        self.manager = CPUOffloadManager(self.cfg.num_cpu_blocks, check=check)
+        self.manager = CPUOffloadManager.for_config(self.cfg, check=check)
         self.sched = OffloadScheduler(self.cfg, self.manager, check=check)
         self.context = context
         self.tokens: dict[str, int] = {}

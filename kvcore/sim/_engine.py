@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvcore.manager import CPUOffloadManager
+from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.scheduler import (
     OffloadScheduler,
     RequestInfo,
@@ -96,8 +96,8 @@ class Simulator:
         self.rng = random.Random(f"sim:{opts.seed}")
         policy = opts.policy or "lru"
         # With checks on, the tier runs in lock step with the reference manager (M2).
-        self.manager: Any = ShadowedManager(cfg.num_cpu_blocks, policy, check=True) \
-            if check else CPUOffloadManager(cfg.num_cpu_blocks, policy, check=False)
+        self.manager: Any = ShadowedManager(cpu_capacities(cfg), policy, check=True) \
+            if check else CPUOffloadManager.for_config(cfg, policy, check=False)
         factory = scheduler_factory or OffloadScheduler
         self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
         self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,
