@@ -201,7 +201,7 @@ class ReferenceManager:
         check_capacity(capacity)
         check_pending_events(max_pending_events)
         self.capacity: int | tuple[int, ...] = \
-            tuple(capacity) if isinstance(capacity, list | tuple) else capacity
+            capacity if isinstance(capacity, int) else tuple(capacity)
         self.max_pending_events = max_pending_events
         self.events_dropped = 0
         self.state: dict[Key, str] = {}

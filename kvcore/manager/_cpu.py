@@ -248,9 +248,9 @@ class CPUOffloadManager(OffloadManager):
         check_keys("touch", keys)
         pools = self._pools
         if len(pools) == 1:
-            ((group, pool),) = pools.items()
-            if all(key_group(key) == group for key in keys):
-                pool.policy.touch(keys)
+            ((only, sole),) = pools.items()
+            if all(key_group(key) == only for key in keys):
+                sole.policy.touch(keys)
                 return
         by_group: dict[int, list[Key]] = {}
         for key in keys:
