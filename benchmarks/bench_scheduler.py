@@ -80,7 +80,7 @@ class Engine:
     def __init__(self, layout: str, context: int, requests: int, check: bool) -> None:
         base = preset(LAYOUTS[layout])
         self.cfg: OffloadConfig = replace(base, num_gpu_blocks=1 << 24, num_cpu_blocks=1 << 17)
-        self.manager = CPUOffloadManager(self.cfg.num_cpu_blocks, check=check)
+        self.manager = CPUOffloadManager.for_config(self.cfg, check=check)
         self.sched = OffloadScheduler(self.cfg, self.manager, check=check)
         self.hbt = self.cfg.hash_block_tokens
         self.free: list[int] = []

@@ -80,8 +80,8 @@ class Soak:
                                                        window_tokens=4 * TPB)),
             hash_block_tokens=TPB, num_gpu_blocks=4096, num_cpu_blocks=args.cpu_chunks,
             num_workers=1, max_pending_events=args.max_events)
-        manager = CPUOffloadManager(self.cfg.num_cpu_blocks, check=False,
-                                    max_pending_events=self.cfg.max_pending_events)
+        manager = CPUOffloadManager.for_config(self.cfg, check=False,
+                                               max_pending_events=self.cfg.max_pending_events)
         self.sched = OffloadScheduler(self.cfg, manager, check=False)
         self.rng = random.Random(args.seed)
         self.args = args

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvcore.manager import CPUOffloadManager
+from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.scheduler import (
     OffloadScheduler,
     RequestInfo,
@@ -119,7 +119,7 @@ def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None
     only the job table can say "wait".
     """
     cfg = small(config)
-    got = _prefill_with_store(factory, cfg, ShadowedManager(cfg.num_cpu_blocks))
+    got = _prefill_with_store(factory, cfg, ShadowedManager(cpu_capacities(cfg)))
     if got is None:
         return
     sched, done, _ = got
@@ -139,7 +139,7 @@ def store_during_load(factory: Factory, config: OffloadConfig) -> None:
     n = 4 * unit
     for level in (StoreLevel.REQUEST, config.store_level):
         cfg = replace(small(config), store_level=level)
-        manager = ShadowedManager(cfg.num_cpu_blocks)
+        manager = ShadowedManager(cpu_capacities(cfg))
         hashes = _hashes(n // cfg.hash_block_tokens, salt=3)
         for group, g in enumerate(cfg.groups):
             _store_ready(manager, group_keys(cfg, group, hashes)[unit // g.tokens_per_chunk:])
@@ -168,7 +168,7 @@ def draft_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> No
     unit = unit_tokens(cfg)
     n = 4 * unit + cfg.hash_block_tokens
     hashes = _hashes(n // cfg.hash_block_tokens, salt=5)
-    manager = ShadowedManager(cfg.num_cpu_blocks)
+    manager = ShadowedManager(cpu_capacities(cfg))
     for group in range(len(cfg.groups)):
         keys = group_keys(cfg, group, hashes)
         if group == last:
@@ -200,7 +200,7 @@ def _stale_blocks_once(factory: Factory, config: OffloadConfig, windows: list[in
     pin = [k for group in range(len(config.groups))
            for k in group_keys(config, group, other)][:64]
     cfg = small(config, cpu=len(pin) if refused else 4096)
-    manager = ShadowedManager(cfg.num_cpu_blocks)
+    manager = ShadowedManager(cpu_capacities(cfg))
     if refused:
         _store_ready(manager, pin)
         manager.prepare_load(pin)  # the tier is full, nothing evictable: stores refused
@@ -294,7 +294,7 @@ def crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
         n = rng.choice([rng.randrange(1, longest) + hbt,
                         unit * rng.randrange(1, longest // unit + 2)])
         hashes = _hashes(n // hbt, salt=100 + case)
-        manager = CPUOffloadManager(cfg.num_cpu_blocks, check=True)
+        manager = CPUOffloadManager.for_config(cfg, check=True)
         hole = rng.choice([0.0, 0.05, 0.2])
         writing = 0.0 if settled else rng.choice([0.02, 0.1, 0.3])
         for group in range(len(cfg.groups)):

@@ -2,6 +2,9 @@
 
 Each preset states where its numbers come from. Block sizes are the engines' common
 choices for those models; pass ``--config`` with your own TOML when yours differ.
+``num_cpu_blocks`` is the number of CPU chunk slots of EACH group (one slot holds one chunk
+of one group): pinned memory is ``num_cpu_blocks`` x the sum over groups of the bytes one
+chunk of the group occupies.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ def deepseek_v4_mtp() -> OffloadConfig:
     the C4 compressor state (4-token blocks, window 8) and the C128 compressor state
     (8-token blocks, window 128). Hashes are at gcd = 4 tokens. The draft flag sits on the
     group holding the MTP layer's sliding-window cache. GPU blocks: 14,067 per pipeline
-    stage (vllm#50821). CPU capacity counts chunks of any group (a 420K-token request
-    keeps about 46K of them under the window keep rule), so it is larger than the number
-    of 256-token packed blocks upstream reports.
+    stage (vllm#50821). ``num_cpu_blocks`` is CPU chunk slots per group: 65,536 per group
+    is the same 262,144 slots in all that one shared pool had, and holds a 420K-token
+    request (about 46K chunks over all groups under the window keep rule) in every group.
+    Pinned memory is 65,536 x the sum of the four groups' bytes per chunk.
     """
     groups = (
         GroupSpec(FULL, 256, name="mla"),
@@ -52,7 +56,7 @@ def deepseek_v4_mtp() -> OffloadConfig:
         GroupSpec(SLIDING, 8, window_tokens=128, name="c128-state"),
     )
     return OffloadConfig(groups, hash_block_tokens=4, num_gpu_blocks=14067,
-                         num_cpu_blocks=262144, speculative=True, name="deepseek-v4-mtp")
+                         num_cpu_blocks=65536, speculative=True, name="deepseek-v4-mtp")
 
 
 def gemma3() -> OffloadConfig:

@@ -38,6 +38,7 @@ import torch
 from kvcore import _cuda, _native
 from kvcore._cuda import cuda_available, cuda_unavailable_reason
 from kvcore._native import DescriptorTable, ErrorRecord, Region, RegionTable, Side, Status
+from kvcore.manager._capacity import group_capacity
 from kvcore.spec.errors import KVCopyError, TransferArgumentError
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, chunks_spanned
 from kvcore.spec.types import OffloadConfig
@@ -374,11 +375,11 @@ def cpu_capacity(config: OffloadConfig, group: int) -> int:
     """CPU chunk rows the tier holds for ``group``: its slot ids are 0..capacity-1.
 
     Capacities are per group (a slot holds one chunk of one group), so the pinned bytes are
-    exactly the sum over groups of capacity x bytes per chunk. Today every group's capacity
-    is ``num_cpu_blocks``; a per-group field in the config will override it here, and only
-    here, so the engine and the manager cannot disagree about a group's pool size.
+    exactly the sum over groups of capacity x bytes per chunk. The number comes from
+    ``kvcore.manager._capacity.group_capacity``, the function ``CPUOffloadManager.for_config``
+    sizes its pools with, so the engine and the manager cannot disagree about a pool.
     """
-    return config.num_cpu_blocks
+    return group_capacity(config, group)
 
 
 def _check_options(config: object, gpu_tensors: object, pin_memory: object,

@@ -279,6 +279,22 @@ class BadKeyError(InvalidKeyError):
                         "kvcore.spec.types.make_key")
 
 
+class KeyGroupError(BadKeyError):
+    """A store got a key whose group (its last bytes, ``key_group``) has no CPU pool.
+
+    The tier keeps one pool per group; ``group`` is the key's group and ``bound`` the
+    number of pools (``0..bound-1``). Raised before the tier changes.
+    """
+
+    def __init__(self, where: str, key: bytes, group: int, bound: int) -> None:
+        super().__init__(where, key, bound)
+        self.group = group
+        self.message = (f"{where}: key {short_key(key)} is of group={group}, outside the "
+                        f"tier's pools 0..{bound - 1}; build keys with "
+                        "kvcore.spec.types.make_key(hash, group) for a configured group, "
+                        "or give the manager one capacity per group")
+
+
 class TransferArgumentError(KVCoreError, ValueError):
     """``TransferEngine`` refused an argument: a tensor or buffer to register, or a call's plan.
 

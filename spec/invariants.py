@@ -590,7 +590,10 @@ def m2_eviction_order(r: EvictionOrderRecord) -> list[Violation]:
 
     LRU evicts the least recently completed or touched evictable keys; ARC takes the least
     recent evictable key of T1 while ``|T1| >= int(p)``, else of T2, falling back to the
-    other list. A store is refused only when too few keys are evictable, and the slots
+    other list. The tier keeps one pool per group, so a record describes one group's pool
+    (its queues, its need, the victims of that group) and victims are the policy's choice
+    within the key's group. A store is refused only when too few keys are evictable (for a
+    multi-group store: in at least one of its groups), and the slots
     handed out for a choice are the reference's. A policy that evicts a hot key instead of
     a cold one breaks no safety rule (M1), but it turns hits into recomputation.
     """

@@ -2,22 +2,31 @@
 
 This is the model that ``kvcore.CPUOffloadManager`` is compared against, step by step, in
 the refinement tests (TigerBeetle's state checker). It favours being obviously right over
-being fast: plain dicts, one recency list, and recomputation wherever a counter would do.
+being fast: plain dicts, one recency list per group, and recomputation wherever a counter
+would do.
 
 Semantics (docs/semantics.md, "Manager: the CPU tier"; invariant M1):
 
-- Capacity is counted in chunks. A stored key is WRITING, READY, or READY and pinned by n
-  loads. ``lookup`` answers HIT (READY, pinned or not), PENDING (WRITING) or MISS (absent).
-- Recency covers the READY keys only, least recent first. A key enters at the most recent
-  end when its write completes; ``touch`` moves keys to that end, iterating in reverse so
-  the first key ends most recent (a prefix's early chunks outlive its later ones). Pins do
-  not move a key, so a chunk that was loaded keeps its place (upstream's ``[2, 3, 4]``
-  eviction after a load depends on this).
-- ``prepare_store`` stores the keys that are absent. When more slots are needed than are
-  free it evicts exactly that many evictable keys (READY, unpinned, not among the call's
-  own keys), least recent first, or returns None and changes nothing (M1: atomic).
-- Slots: fresh ids in increasing order first (a high-water mark), then recycled ids from a
-  LIFO free list. The exact ids are observable, so the order is part of the spec.
+- Capacity is counted in chunks, per group: a slot holds one chunk of one group, each key
+  belongs to the pool of its group (its last KEY_GROUP_BYTES, as ``make_key`` writes
+  them), and slot ids are per pool, ``0..capacity_g - 1``. A stored key is WRITING, READY,
+  or READY and pinned by n loads. ``lookup`` answers HIT (READY, pinned or not), PENDING
+  (WRITING) or MISS (absent).
+- Recency covers the READY keys only, one order per group, least recent first. A key
+  enters at the most recent end when its write completes; ``touch`` moves keys to that
+  end, iterating in reverse so the first key ends most recent (a prefix's early chunks
+  outlive its later ones). Pins do not move a key, so a chunk that was loaded keeps its
+  place (upstream's ``[2, 3, 4]`` eviction after a load depends on this).
+- ``prepare_store`` stores the keys that are absent. When a group needs more slots than
+  its pool has free it evicts exactly that many evictable keys of that group (READY,
+  unpinned, not among the call's own keys), least recent first; the evicted keys are
+  listed group by group, groups in the order their first absent key appears. If any group
+  cannot make its room the call returns None and changes nothing (M1: atomic), whatever
+  room the other groups have. A key of a group without a pool (past a per-group capacity's
+  length, or >= MAX_GROUPS) is a ``KeyGroupError``, raised first.
+- Slots, per pool: fresh ids in increasing order first (a high-water mark), then recycled
+  ids from a LIFO free list. The exact ids are observable, so the order is part of the
+  spec.
 - Events: one removed event per evicting ``prepare_store``, one stored event per
   successful ``complete_store`` that made keys READY. A failed store emits nothing: its
   keys were never announced, so there is nothing to withdraw (a failed transfer never
@@ -44,12 +53,15 @@ from dataclasses import dataclass
 from kvcore.spec.errors import (
     ConfigError,
     InvalidKeyError,
+    KeyGroupError,
     KeyNotReadyError,
     NotPinnedError,
 )
 from kvcore.spec.hooks import check_key, check_keys, check_success
 from kvcore.spec.types import (
     DEFAULT_MAX_PENDING_EVENTS,
+    KEY_GROUP_BYTES,
+    MAX_GROUPS,
     Key,
     Status,
     check_pending_events,
@@ -107,10 +119,18 @@ class ManagerStats:
 
 
 def check_capacity(capacity: object) -> None:
-    """Raise ConfigError(field="capacity") unless ``capacity`` is a positive int in range."""
+    """Raise ConfigError(field="capacity") unless ``capacity`` is a positive int in range,
+    or a non-empty list or tuple of such ints (one per group, at most MAX_GROUPS)."""
+    if isinstance(capacity, list | tuple):
+        if len(capacity) == 0 or len(capacity) > MAX_GROUPS:
+            raise ConfigError("capacity", f"capacity has {len(capacity)} per-group entries; "
+                              f"give one per group, 1..{MAX_GROUPS}, or one int for all")
+        for one in capacity:
+            check_capacity(one)
+        return
     if isinstance(capacity, bool) or not isinstance(capacity, int):
         raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
-                          "size in chunks")
+                          "size in chunks per group")
     if capacity <= 0:
         raise ConfigError("capacity", f"capacity={capacity} must be positive: the CPU tier "
                           "needs room for at least one chunk")
@@ -129,30 +149,52 @@ def check_key_types(keys: Sequence[object]) -> None:
 # -- the model --------------------------------------------------------------------------
 
 
+def _group_of(key: Key) -> int:
+    """The group a key names: its last KEY_GROUP_BYTES, big-endian (as make_key writes it)."""
+    return int.from_bytes(key[-KEY_GROUP_BYTES:], "big")
+
+
 class ReferenceManager:
     """The reference CPU tier with LRU eviction; see the module docstring for the rules.
 
-    ``state`` maps each stored key to ``"writing"`` or ``"ready"``; ``slot`` and ``pins``
-    hold its slot and pin count; ``recency`` lists the READY keys, least recent first.
+    One pool per group: ``capacity`` is one int (every group has that many slots) or one
+    per group. ``state`` maps each stored key to ``"writing"`` or ``"ready"``; ``slot`` and
+    ``pins`` hold its slot (within its group's pool) and pin count; ``recency[g]`` lists
+    group ``g``'s READY keys, least recent first. ``pools`` are the groups with a pool:
+    every group of a per-group capacity; with one int, group 0 and the groups stored so far.
     """
 
-    def __init__(self, capacity: int,
+    def __init__(self, capacity: int | Sequence[int],
                  max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS) -> None:
         check_capacity(capacity)
         check_pending_events(max_pending_events)
-        self.capacity = capacity
+        self.capacity: int | tuple[int, ...] = \
+            capacity if isinstance(capacity, int) else tuple(capacity)
         self.max_pending_events = max_pending_events
         self.events_dropped = 0
         self.state: dict[Key, str] = {}
         self.slot: dict[Key, int] = {}
         self.pins: dict[Key, int] = {}
-        self.recency: list[Key] = []
-        self.next_fresh_slot = 0
-        self.free_slots: list[int] = []
+        self.recency: dict[int, list[Key]] = {}
+        # Group 0 always has a pool; with one int, other groups get theirs when first stored.
+        self.pools: set[int] = set(range(self.groups())) \
+            if isinstance(self.capacity, tuple) else {0}
+        self.next_fresh_slot: dict[int, int] = {}
+        self.free_slots: dict[int, list[int]] = {}
         self.events: list[ManagerEvent] = []
         self.evictions = 0
         self.stores_skipped_no_room = 0
         self.stored_keys = 0
+
+    def groups(self) -> int:
+        """How many groups may have a pool: the per-group list's length, else MAX_GROUPS."""
+        return len(self.capacity) if isinstance(self.capacity, tuple) else MAX_GROUPS
+
+    def capacity_of(self, group: int) -> int:
+        """Slots of ``group``'s pool; 0 outside the groups."""
+        if not 0 <= group < self.groups():
+            return 0
+        return self.capacity[group] if isinstance(self.capacity, tuple) else self.capacity
 
     # -- reads --------------------------------------------------------------------------
 
@@ -177,15 +219,20 @@ class ReferenceManager:
         check_key("slot_of", key)
         return self.slot.get(key)
 
-    def evictable_keys(self, protected: Sequence[Key] = ()) -> list[Key]:
-        """READY, unpinned keys outside ``protected``, least recent first."""
-        return [k for k in self.recency if self.pins[k] == 0 and k not in protected]
+    def evictable_keys(self, group: int, protected: Sequence[Key] = ()) -> list[Key]:
+        """Group ``group``'s READY, unpinned keys outside ``protected``, least recent first."""
+        return [k for k in self.recency.get(group, [])
+                if self.pins[k] == 0 and k not in protected]
+
+    def used_of(self, group: int) -> int:
+        """Keys stored in ``group``'s pool, recounted."""
+        return sum(1 for k in self.state if _group_of(k) == group)
 
     def stats(self) -> ManagerStats:
         """Occupancy recounted from the states, plus the cumulative counters."""
         states = [self.state_of(k) for k in self.state]
         return ManagerStats(
-            capacity=self.capacity,
+            capacity=sum(self.capacity_of(g) for g in self.pools),
             used=len(states),
             writing=states.count("writing"),
             pinned=states.count("pinned"),
@@ -202,9 +249,10 @@ class ReferenceManager:
         """Make READY keys most recent, ``keys[0]`` last so it ends the most recent."""
         check_keys("touch", keys)
         for key in reversed(keys):
-            if key in self.recency:
-                self.recency.remove(key)
-                self.recency.append(key)
+            order = self.recency.get(_group_of(key), [])
+            if key in order:
+                order.remove(key)
+                order.append(key)
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         """Pin every key (once per occurrence) and return their slots in key order."""
@@ -230,11 +278,14 @@ class ReferenceManager:
 
     def prepare_store(self, keys: Sequence[Key],
                       victims: Sequence[Key] | None = None) -> PrepareStoreResult | None:
-        """Reserve slots for the absent keys, evicting least recent keys if needed.
+        """Reserve slots for the absent keys, evicting least recent keys of their groups.
 
-        ``victims`` replaces the LRU choice with another policy's (ARC's), so the tests
-        can check that policy against this model: it must name exactly the number of keys
-        needed, all evictable and outside the call, or ValueError is raised.
+        Each group needs the slots its absent keys lack in its own pool and evicts only
+        its own keys; if any group cannot make its room the answer is None and nothing
+        changed. ``victims`` replaces the LRU choice with another policy's (ARC's), so the
+        tests can check that policy against this model: for every group it must name
+        exactly the number of that group's keys needed, all evictable and outside the
+        call, or ValueError is raised.
         """
         check_keys("prepare_store", keys)
         to_store: list[Key] = []
@@ -243,17 +294,28 @@ class ReferenceManager:
                 to_store.append(key)
         if not to_store:
             return PrepareStoreResult((), (), ())
-        need = len(to_store) - (self.capacity - len(self.state))
-        allowed = self.evictable_keys(protected=keys) if need > 0 else []
-        if need > len(allowed):
+        groups = list(dict.fromkeys(_group_of(k) for k in to_store))
+        for key in to_store:
+            if not 0 <= _group_of(key) < self.groups():
+                raise KeyGroupError("prepare_store", key, _group_of(key), self.groups())
+        needs = {g: sum(1 for k in to_store if _group_of(k) == g)
+                 - (self.capacity_of(g) - self.used_of(g)) for g in groups}
+        allowed = {g: self.evictable_keys(g, protected=keys) for g in groups}
+        if any(needs[g] > len(allowed[g]) for g in groups):
             self.stores_skipped_no_room += 1
             return None
-        chosen = allowed[:max(need, 0)] if victims is None else list(victims)
-        if len(chosen) != max(need, 0) or len(set(chosen)) != len(chosen) \
-                or not set(chosen) <= set(allowed):
-            raise ValueError(f"victims {chosen!r} are not {need} distinct evictable keys")
+        lru = [k for g in groups for k in allowed[g][:max(needs[g], 0)]]
+        chosen = lru if victims is None else list(victims)
+        for g in groups:
+            mine = [k for k in chosen if _group_of(k) == g]
+            if len(mine) != max(needs[g], 0) or not set(mine) <= set(allowed[g]):
+                raise ValueError(f"victims {chosen!r} are not {needs[g]} evictable keys "
+                                 f"of group {g}")
+        if len(set(chosen)) != len(chosen) or len(chosen) != len(lru):
+            raise ValueError(f"victims {chosen!r} are not {len(lru)} distinct keys of the "
+                             "groups that need room")
         for key in chosen:
-            self.free_slots.append(self.slot[key])
+            self.free_slots.setdefault(_group_of(key), []).append(self.slot[key])
             self._forget(key)
         if chosen:
             self._emit(ManagerEvent(tuple(chosen), removed=True))
@@ -273,9 +335,9 @@ class ReferenceManager:
         for key in done:
             if success:
                 self.state[key] = "ready"
-                self.recency.append(key)
+                self.recency.setdefault(_group_of(key), []).append(key)
             else:
-                self.free_slots.append(self.slot[key])
+                self.free_slots.setdefault(_group_of(key), []).append(self.slot[key])
                 self._forget(key)
         if success and done:
             self._emit(ManagerEvent(tuple(done), removed=False))
@@ -288,8 +350,8 @@ class ReferenceManager:
 
     def reset(self) -> None:
         """Forget every key and slot; cumulative counters stay (they are metrics)."""
-        self.state, self.slot, self.pins, self.recency = {}, {}, {}, []
-        self.next_fresh_slot, self.free_slots, self.events = 0, [], []
+        self.state, self.slot, self.pins, self.recency = {}, {}, {}, {}
+        self.next_fresh_slot, self.free_slots, self.events = {}, {}, []
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -309,15 +371,19 @@ class ReferenceManager:
             excess -= dropped
 
     def _allocate(self, key: Key) -> int:
-        if self.next_fresh_slot < self.capacity:
-            slot = self.next_fresh_slot
-            self.next_fresh_slot += 1
+        group = _group_of(key)
+        self.pools.add(group)
+        fresh = self.next_fresh_slot.get(group, 0)
+        if fresh < self.capacity_of(group):
+            slot = fresh
+            self.next_fresh_slot[group] = fresh + 1
         else:
-            slot = self.free_slots.pop()
+            slot = self.free_slots[group].pop()
         self.state[key], self.slot[key], self.pins[key] = "writing", slot, 0
         return slot
 
     def _forget(self, key: Key) -> None:
         del self.state[key], self.slot[key], self.pins[key]
-        if key in self.recency:
-            self.recency.remove(key)
+        order = self.recency.get(_group_of(key), [])
+        if key in order:
+            order.remove(key)

@@ -275,7 +275,7 @@ class ReferenceScheduler:
     def __init__(self, config: OffloadConfig, manager: ReferenceManager | None = None) -> None:
         self.config = config
         self.manager = manager if manager is not None else ReferenceManager(
-            config.num_cpu_blocks, config.max_pending_events)
+            (config.num_cpu_blocks,) * len(config.groups), config.max_pending_events)
         self.hash_len: int | None = None  # the length of every hash, once one is seen
         self.requests: dict[str, _Request] = {}
         self.jobs: dict[int, _Job] = {}

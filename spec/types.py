@@ -161,9 +161,12 @@ def assert_int(value: object) -> None:
 class OffloadConfig:
     """The whole offloading set-up, validated once when built.
 
-    ``num_cpu_blocks`` is the CPU tier's capacity in chunks. ``speculative`` says the engine
-    runs EAGLE/MTP; then either some group is ``is_draft`` or ``draft_kv_elsewhere`` says
-    the drafter's KV is not in any offloaded group. There is no "treat every group as draft"
+    ``num_cpu_blocks`` is the CPU tier's capacity in chunk slots PER GROUP: a slot holds
+    one chunk of one group, every group has its own pool of ``num_cpu_blocks`` slots (ids
+    0..num_cpu_blocks-1), and pinned memory is ``num_cpu_blocks`` x the sum over groups of
+    the bytes of one chunk of the group. ``speculative`` says the engine runs EAGLE/MTP;
+    then either some group is ``is_draft`` or ``draft_kv_elsewhere`` says the drafter's
+    KV is not in any offloaded group. There is no "treat every group as draft"
     fallback (it zeroed hybrid Mamba hits upstream, vllm#52735).
     """
 
@@ -363,7 +366,7 @@ def _check_counts(cfg: OffloadConfig) -> None:
                "set the GPU block pool size in blocks (id 0 is the null block, so at least 2)",
                "16x a 1M-block pool")
     _check_int("num_cpu_blocks", cfg.num_cpu_blocks, 1, MAX_CPU_BLOCKS,
-               "set the CPU tier's capacity in chunks, not bytes",
+               "set the CPU tier's capacity in chunk slots per group, not bytes",
                "1 TiB of pinned memory even at 4 KiB per chunk")
     _check_int("num_workers", cfg.num_workers, 1, MAX_WORKERS,
                "use the engine's world size (TP x PP)", "8x the largest TP x PP")

@@ -8,6 +8,7 @@ reference model the tier is tested against, and re-exported here.
 
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
+from kvcore.manager._capacity import cpu_capacities, group_capacity
 from kvcore.manager._cpu import POLICIES, CPUOffloadManager
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
@@ -28,4 +29,6 @@ __all__ = [
     "NotPinnedError",
     "OffloadManager",
     "PrepareStoreResult",
+    "cpu_capacities",
+    "group_capacity",
 ]

@@ -19,11 +19,13 @@ from collections.abc import Sequence
 
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
+from kvcore.manager._capacity import cpu_capacities
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
 from kvcore.spec.errors import (
     ConfigError,
     InvariantViolation,
+    KeyGroupError,
     KeyNotReadyError,
     NotPinnedError,
 )
@@ -35,16 +37,32 @@ from kvcore.spec.manager_model import (
     ManagerStats,
     PrepareStoreResult,
 )
-from kvcore.spec.types import DEFAULT_MAX_PENDING_EVENTS, Key, Status, check_pending_events
+from kvcore.spec.types import (
+    DEFAULT_MAX_PENDING_EVENTS,
+    MAX_GROUPS,
+    Key,
+    OffloadConfig,
+    Status,
+    check_pending_events,
+    key_group,
+)
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 def check_capacity(capacity: object) -> None:
-    """kvcore's own check (the reference manager has its own): a positive int in range."""
+    """kvcore's own check (the reference manager has its own): a positive int in range,
+    or a non-empty list or tuple of them, one per group."""
+    if isinstance(capacity, list | tuple):
+        if not 0 < len(capacity) <= MAX_GROUPS:
+            raise ConfigError("capacity", f"capacity has {len(capacity)} per-group entries; "
+                              f"give one per group, 1..{MAX_GROUPS}, or one int for all")
+        for one in capacity:
+            check_capacity(one)
+        return
     if isinstance(capacity, bool) or not isinstance(capacity, int):
         raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
-                          "size in chunks")
+                          "size in chunks per group (or a list of them, one per group)")
     if not 0 < capacity <= MAX_CAPACITY_CHUNKS:
         hint = ("must be positive: the CPU tier needs room for at least one chunk"
                 if capacity <= 0 else
@@ -52,6 +70,24 @@ def check_capacity(capacity: object) -> None:
         raise ConfigError("capacity", f"capacity={capacity} {hint}")
 
 
+class _Pool:
+    """One group's slots: its own free list, counters and eviction policy."""
+
+    __slots__ = ("capacity", "free", "next_fresh", "pinned", "policy", "used", "writing")
+
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
+        self.capacity = capacity
+        self.policy = policy
+        self.next_fresh = 0
+        self.free: list[int] = []
+        self.used = self.writing = self.pinned = 0  # pinned: keys with a pin, not pins
+
+    def allocate(self) -> int:
+        """Fresh ids in increasing order first, then the most recently freed one."""
+        if self.next_fresh < self.capacity:
+            self.next_fresh += 1
+            return self.next_fresh - 1
+        return self.free.pop()
 
 
 _EMPTY = PrepareStoreResult((), (), ())
@@ -60,10 +96,11 @@ _EMPTY = PrepareStoreResult((), (), ())
 class _Entry:
     """One stored key: its slot, its pin count, and whether its write has completed."""
 
-    __slots__ = ("pins", "ready", "slot")
+    __slots__ = ("pins", "pool", "ready", "slot")
 
-    def __init__(self, slot: int) -> None:
+    def __init__(self, slot: int, pool: _Pool) -> None:
         self.slot = slot
+        self.pool = pool
         self.pins = 0
         self.ready = False
 
@@ -76,30 +113,41 @@ def check_enabled(check: bool | None) -> bool:
 
 
 class CPUOffloadManager(OffloadManager):
-    """The CPU tier: ``capacity`` chunk slots, LRU or ARC eviction, events and stats.
+    """The CPU tier: one pool of chunk slots per group, LRU or ARC eviction per group.
 
-    Slots are handed out fresh first, in increasing order, then from a LIFO list of
-    recycled ones, so slot ids are deterministic (tests pin them, e.g. ``[2, 3, 0]``).
-    Pending events hold at most ``max_pending_events`` keys (pass the config's
-    ``max_pending_events``); the oldest are dropped beyond that and counted in
-    ``stats().events_dropped``.
+    A slot holds one chunk of one group, so each key is routed by ``key_group(key)`` to its
+    group's pool, and slot ids are per group: group ``g``'s are ``0..capacity_g - 1``, the
+    rows ``TransferEngine`` pinned for that group. ``capacity`` is one int (every group
+    gets that many slots, ``num_cpu_blocks``' meaning) or one int per group (then a store
+    of a key of another group raises ``KeyGroupError``). ``for_config`` sizes the pools as
+    the transfer engine does. Within a pool, slots are handed out fresh first, in
+    increasing order, then from a LIFO list of recycled ones, so slot ids are
+    deterministic (tests pin them, e.g. ``[2, 3, 0]``). A group's store evicts only keys
+    of that group. Pending events hold at most ``max_pending_events`` keys (pass the
+    config's ``max_pending_events``); the oldest are dropped beyond that and counted in
+    ``stats().events_dropped``. ``stats().capacity`` sums the pools that exist: every
+    group of a per-group capacity; with one int, group 0 and the groups stored so far.
     """
 
-    def __init__(self, capacity: int, policy: str = "lru", *, check: bool | None = None,
+    def __init__(self, capacity: int | Sequence[int], policy: str = "lru", *,
+                 check: bool | None = None,
                  max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS) -> None:
         check_capacity(capacity)
         check_pending_events(max_pending_events)
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ConfigError("policy", f"policy={policy!r} is not an eviction policy; "
                               f"choose one of {sorted(POLICIES)}")
-        self._capacity = capacity
-        self._policy: EvictionPolicy = POLICIES[policy](capacity)
+        self._policy_class = POLICIES[policy]
+        self._per_group = tuple(capacity) if isinstance(capacity, list | tuple) else None
+        self._capacity = capacity if isinstance(capacity, int) else 0
+        self._group_bound = MAX_GROUPS if self._per_group is None else len(self._per_group)
+        self._pools: dict[int, _Pool] = {}
+        # Group 0's pool always exists (a one-group tier reports capacity as before); with
+        # one int the other groups' pools are made at their first store.
+        for group in range(1 if self._per_group is None else len(self._per_group)):
+            self._pool(group)
         self._check = check_enabled(check)
         self._entries: dict[Key, _Entry] = {}
-        self._next_fresh_slot = 0
-        self._free_slots: list[int] = []
-        self._writing = 0
-        self._pinned = 0  # keys with at least one pin, not pins
         self._events: deque[ManagerEvent] = deque()
         self._event_keys = 0  # keys in ``_events``
         self._max_events = max_pending_events
@@ -110,10 +158,38 @@ class CPUOffloadManager(OffloadManager):
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
         self.checked: dict[str, int] = {}
 
+    @classmethod
+    def for_config(cls, config: OffloadConfig, policy: str = "lru", *,
+                   check: bool | None = None,
+                   max_pending_events: int | None = None) -> CPUOffloadManager:
+        """Pools sized exactly as ``TransferEngine`` pins rows (``cpu_capacities(config)``,
+        one pool per group of ``config``); events bounded by the config's
+        ``max_pending_events`` unless given."""
+        events = config.max_pending_events if max_pending_events is None else max_pending_events
+        return cls(cpu_capacities(config), policy, check=check, max_pending_events=events)
+
+    def capacity_of(self, group: int) -> int:
+        """Slots of ``group``'s pool (0 for a group outside a per-group capacity)."""
+        if self._per_group is not None:
+            return self._per_group[group] if 0 <= group < len(self._per_group) else 0
+        return self._capacity if 0 <= group < MAX_GROUPS else 0
+
+    def _pool(self, group: int) -> _Pool:
+        pool = self._pools.get(group)
+        if pool is None:
+            cap = self.capacity_of(group)
+            pool = self._pools[group] = _Pool(cap, self._policy_class(cap))
+        return pool
+
+    def policy_of(self, group: int) -> EvictionPolicy | None:
+        """Group ``group``'s eviction policy, or None before its pool exists."""
+        pool = self._pools.get(group)
+        return None if pool is None else pool.policy
+
     @property
     def policy(self) -> EvictionPolicy:
-        """The eviction policy object (for tests and debugging)."""
-        return self._policy
+        """Group 0's eviction policy (for tests and debugging; see ``policy_of``)."""
+        return self._pools[0].policy
 
     @property
     def check(self) -> bool:
@@ -146,13 +222,16 @@ class CPUOffloadManager(OffloadManager):
         return None if entry is None else entry.slot
 
     def stats(self) -> ManagerStats:
+        pools = self._pools.values()
         used = len(self._entries)
+        writing = sum(p.writing for p in pools)
+        pinned = sum(p.pinned for p in pools)
         return ManagerStats(
-            capacity=self._capacity,
+            capacity=sum(p.capacity for p in pools),
             used=used,
-            writing=self._writing,
-            pinned=self._pinned,
-            evictable=used - self._writing - self._pinned,
+            writing=writing,
+            pinned=pinned,
+            evictable=used - writing - pinned,
             evictions=self._evictions,
             stores_skipped_no_room=self._stores_skipped_no_room,
             stored_keys=self._stored_keys,
@@ -162,8 +241,21 @@ class CPUOffloadManager(OffloadManager):
     # -- recency and loads ----------------------------------------------------------
 
     def touch(self, keys: Sequence[Key]) -> None:
+        """Each group's keys refresh that group's policy, in call order within the group."""
         check_keys("touch", keys)
-        self._policy.touch(keys)
+        pools = self._pools
+        if len(pools) == 1:
+            ((only, sole),) = pools.items()
+            if all(key_group(key) == only for key in keys):
+                sole.policy.touch(keys)
+                return
+        by_group: dict[int, list[Key]] = {}
+        for key in keys:
+            by_group.setdefault(key_group(key), []).append(key)
+        for group, some in by_group.items():
+            pool = pools.get(group)
+            if pool is not None:
+                pool.policy.touch(some)
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         """Pin each key once per occurrence; all keys are validated before any is pinned,
@@ -178,7 +270,7 @@ class CPUOffloadManager(OffloadManager):
         for key in keys:
             entry = entries[key]
             if entry.pins == 0:
-                self._pinned += 1
+                entry.pool.pinned += 1
             entry.pins += 1
             slots.append(entry.slot)
         return tuple(slots)
@@ -197,33 +289,48 @@ class CPUOffloadManager(OffloadManager):
             entry = entries[key]
             entry.pins -= 1
             if entry.pins == 0:
-                self._pinned -= 1
+                entry.pool.pinned -= 1
 
     # -- stores ---------------------------------------------------------------------
 
     def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreResult | None:
-        """Choose victims (a pure step), check them if asked, then apply; see the base.
+        """Choose victims group by group (a pure step), check them if asked, then apply.
 
-        The fast None path answers without walking the policy when fewer keys are
-        evictable than needed; otherwise the walk costs the victims plus the pinned and
-        same-call keys it passes.
+        Atomic across groups: if any group lacks evictable room the answer is None and
+        nothing changed. The fast None path answers without walking a policy when a
+        group has fewer evictable keys than it needs; otherwise the walks cost the victims
+        plus the pinned and same-call keys they pass.
         """
         check_keys("prepare_store", keys)
         entries = self._entries
         to_store = [k for k in dict.fromkeys(keys) if k not in entries]
         if not to_store:
             return _EMPTY
-        need = len(to_store) - (self._capacity - len(entries))
+        by_group: dict[int, int] = {}
+        for key in to_store:  # every group is checked before anything changes
+            group = key_group(key)
+            if not 0 <= group < self._group_bound:
+                raise KeyGroupError("prepare_store", key, group, self._group_bound)
+            by_group[group] = by_group.get(group, 0) + 1
+        before = self._fingerprint() if self._check else None
         victims: list[Key] = []
-        if need > 0:
-            before = self._fingerprint() if self._check else None
-            chosen = self._choose(need, keys)
-            if self._check:
-                self._check_eviction(keys, chosen or [], need, chosen is None, before)
+        needed = 0
+        for group, count in by_group.items():
+            pool = self._pools.get(group)
+            need = count - (self.capacity_of(group) - (0 if pool is None else pool.used))
+            if need <= 0:
+                continue
+            needed += need
+            chosen = None if pool is None else self._choose(pool, need, keys)
             if chosen is None:
+                if self._check:
+                    self._check_eviction(keys, [], needed, True, before)
                 self._stores_skipped_no_room += 1
                 return None
-            victims = chosen
+            victims += chosen
+        if victims:
+            if self._check:
+                self._check_eviction(keys, victims, needed, False, before)
             self._evict(victims)
         slots = tuple(self._allocate(key) for key in to_store)
         return PrepareStoreResult(tuple(to_store), slots, tuple(victims))
@@ -232,21 +339,23 @@ class CPUOffloadManager(OffloadManager):
         """WRITING keys become READY (one stored event) or are dropped (no event)."""
         check_keys("complete_store", keys)
         check_success("complete_store", success)
-        entries, policy = self._entries, self._policy
+        entries = self._entries
         done: list[Key] = []
         for key in keys:
             entry = entries.get(key)
             if entry is None or entry.ready:
                 continue  # READY before this store, or absent: not this store's key
             done.append(key)
+            pool = entry.pool
+            pool.writing -= 1
             if success:
                 entry.ready = True
-                policy.ready(key)
+                pool.policy.ready(key)
             else:
                 del entries[key]
-                self._free_slots.append(entry.slot)
-                policy.discard(key)
-        self._writing -= len(done)
+                pool.used -= 1
+                pool.free.append(entry.slot)
+                pool.policy.discard(key)
         if success and done:
             self._emit(ManagerEvent(tuple(done), removed=False))
             self._stored_keys += len(done)
@@ -256,29 +365,36 @@ class CPUOffloadManager(OffloadManager):
         return events
 
     def reset(self) -> None:
-        """Forget every key and slot; cumulative counters stay (they are metrics)."""
+        """Forget every key and slot; the pools stay (empty), cumulative counters stay."""
         self._entries = {}
-        self._next_fresh_slot = 0
-        self._free_slots = []
-        self._writing = self._pinned = 0
+        for pool in self._pools.values():
+            pool.next_fresh, pool.free = 0, []
+            pool.used = pool.writing = pool.pinned = 0
+            pool.policy.clear()
         self._events, self._event_keys = deque(), 0
-        self._policy.clear()
 
     # -- helpers --------------------------------------------------------------------
 
-    def _choose(self, need: int, keys: Sequence[Key]) -> list[Key] | None:
-        """``need`` victims in policy order, or None; changes nothing."""
-        if need > len(self._entries) - self._writing - self._pinned:
+    def _choose(self, pool: _Pool, need: int, keys: Sequence[Key]) -> list[Key] | None:
+        """``need`` victims of ``pool`` in its policy's order, or None; changes nothing."""
+        if need > pool.used - pool.writing - pool.pinned:
             return None  # fewer evictable keys than needed: no walk
         entries = self._entries
         protected = set(keys)
-        return self._policy.choose(
+        return pool.policy.choose(
             need, lambda k: entries[k].pins == 0 and k not in protected)
 
     def _evict(self, victims: list[Key]) -> None:
+        by_pool: dict[int, list[Key]] = {}
         for key in victims:
-            self._free_slots.append(self._entries.pop(key).slot)
-        self._policy.evict(victims)
+            entry = self._entries.pop(key)
+            entry.pool.free.append(entry.slot)
+            entry.pool.used -= 1
+            by_pool.setdefault(id(entry.pool), []).append(key)
+        for pool in self._pools.values():
+            some = by_pool.get(id(pool))
+            if some:
+                pool.policy.evict(some)
         self._emit(ManagerEvent(tuple(victims), removed=True))
         self._evictions += len(victims)
 
@@ -301,20 +417,19 @@ class CPUOffloadManager(OffloadManager):
             excess -= dropped
 
     def _allocate(self, key: Key) -> int:
-        if self._next_fresh_slot < self._capacity:
-            slot = self._next_fresh_slot
-            self._next_fresh_slot += 1
-        else:
-            slot = self._free_slots.pop()
-        self._entries[key] = _Entry(slot)
-        self._writing += 1
-        self._policy.insert(key)
+        pool = self._pool(key_group(key))
+        slot = pool.allocate()
+        self._entries[key] = _Entry(slot, pool)
+        pool.used += 1
+        pool.writing += 1
+        pool.policy.insert(key)
         return slot
 
     def _fingerprint(self) -> tuple[int, ...]:
         """Cheap summary of the mutable state, to see whether a None answer changed it."""
-        return (len(self._entries), self._next_fresh_slot, len(self._free_slots),
-                self._writing, self._pinned, len(self._events), self._evictions)
+        pools = tuple((g, p.next_fresh, len(p.free), p.used, p.writing, p.pinned)
+                      for g, p in self._pools.items())
+        return (len(self._entries), hash(pools), len(self._events), self._evictions)
 
     def _check_eviction(self, keys: Sequence[Key], victims: list[Key], need: int,
                         returned_none: bool, before: tuple[int, ...] | None) -> None:

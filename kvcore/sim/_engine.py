@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvcore.manager import CPUOffloadManager
+from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.scheduler import (
     OffloadScheduler,
     RequestInfo,
@@ -101,8 +101,8 @@ class Simulator:
         # With checks on, the tier runs in lock step with the reference manager (M2); the
         # reference is quadratic by design, so only for tiers the size kvcore check uses.
         shadow = check and cfg.num_cpu_blocks <= SHADOW_MAX_CHUNKS
-        self.manager: Any = ShadowedManager(cfg.num_cpu_blocks, policy, check=True) \
-            if shadow else CPUOffloadManager(cfg.num_cpu_blocks, policy, check=check)
+        self.manager: Any = ShadowedManager(cpu_capacities(cfg), policy, check=True) \
+            if shadow else CPUOffloadManager.for_config(cfg, policy, check=check)
         factory = scheduler_factory or OffloadScheduler
         self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
         self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,

@@ -18,9 +18,9 @@ from typing import Any
 from kvcore.manager import CPUOffloadManager, PrepareStoreResult
 from kvcore.scheduler._checks import enforce
 from kvcore.spec.errors import InvariantViolation
-from kvcore.spec.invariants import EvictionOrderRecord, Violation
+from kvcore.spec.invariants import EvictionOrderRecord, Violation, m2_eviction_order
 from kvcore.spec.manager_model import ReferenceManager
-from kvcore.spec.types import Key, Status
+from kvcore.spec.types import Key, Status, key_group
 
 
 class _ArcLists:
@@ -81,11 +81,14 @@ class _ArcLists:
 class ShadowedManager:
     """The real CPU tier, with every answer compared with the reference's (M2)."""
 
-    def __init__(self, capacity: int, policy: str = "lru", *, check: bool = True) -> None:
+    def __init__(self, capacity: int | Sequence[int], policy: str = "lru", *,
+                 check: bool = True) -> None:
         self.real = CPUOffloadManager(capacity, policy, check=check)
         self.reference = ReferenceManager(capacity)
         self.policy_name = policy
-        self.arc = _ArcLists(capacity) if policy == "arc" else None
+        # ARC's lists per group (each pool runs its own ARC), made at the group's first store.
+        self.is_arc = policy == "arc"
+        self.arcs: dict[int, _ArcLists] = {}
         # Predicate evaluations per invariant id: the real tier's M1 plus the shadow's M2.
         self.checked = self.real.checked
 
@@ -104,8 +107,8 @@ class ShadowedManager:
     def touch(self, keys: Sequence[Key]) -> None:
         self.real.touch(keys)
         self.reference.touch(keys)
-        if self.arc is not None:
-            self.arc.touch(keys)
+        for arc in self.arcs.values():
+            arc.touch(keys)  # keys of other groups are in none of its lists: ignored
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         slots = self.real.prepare_load(keys)
@@ -133,54 +136,73 @@ class ShadowedManager:
     def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreResult | None:
         ref = self.reference
         absent = [k for k in dict.fromkeys(keys) if k not in ref.state]
-        need = len(absent) - (ref.capacity - len(ref.state))
-        record = self._order_record(keys, need) if need > 0 else None
+        needs: dict[int, int] = {}
+        for key in absent:
+            needs[key_group(key)] = needs.get(key_group(key), 0) + 1
+        needs = {g: n - (ref.capacity_of(g) - ref.used_of(g)) for g, n in needs.items()}
+        records = {g: self._order_record(g, keys, n) for g, n in needs.items() if n > 0}
         out = self.real.prepare_store(keys)
-        victims = None if out is None else tuple(out.evicted)
         expected: PrepareStoreResult | None = None
         if out is not None:
             try:
                 expected = ref.prepare_store(keys, victims=list(out.evicted))
             except ValueError:
                 expected = None  # not a valid choice: M1/M2 below say why
-        if record is not None:
-            slots = None if out is None else tuple(out.slots)
-            exp = None if expected is None else tuple(expected.slots)
-            records = [EvictionOrderRecord(record.policy, need, record.queues, victims,
-                                           record.t1_size, record.target, slots, exp)]
-            enforce(records, self.checked)
+        slots = None if out is None else tuple(out.slots)
+        exp = None if expected is None else tuple(expected.slots)
+        if records:
+            judged = [EvictionOrderRecord(
+                r.policy, r.needed, r.queues,
+                None if out is None else tuple(k for k in out.evicted if key_group(k) == g),
+                r.t1_size, r.target, slots, exp) for g, r in records.items()]
+            if out is None:
+                # A refusal is atomic across groups: it is right when some group's rule
+                # refuses too; the groups that had room are then not judged.
+                judged = [r for r in judged if not m2_eviction_order(r)] or judged
+            enforce(judged, self.checked)
         elif out is not None and expected is not None and out.slots != expected.slots:
             enforce([EvictionOrderRecord(self.policy_name, 0, ((),), (), slots=out.slots,
                                          expected_slots=expected.slots)], self.checked)
-        if out is not None and self.arc is not None:
-            self.arc.evicted(out.evicted)
-            self.arc.stored(out.keys_to_store)
+        if out is not None and self.is_arc:
+            for key in out.evicted:
+                self.arcs[key_group(key)].evicted([key])
+            for key in out.keys_to_store:
+                self._arc(key_group(key)).stored([key])
         return out
 
-    def _order_record(self, keys: Sequence[Key], need: int) -> EvictionOrderRecord:
-        """The evictable keys in rule order, as the shadow sees them before the call."""
+    def _arc(self, group: int) -> _ArcLists:
+        if group not in self.arcs:
+            self.arcs[group] = _ArcLists(self.reference.capacity_of(group))
+        return self.arcs[group]
+
+    def _order_record(self, group: int, keys: Sequence[Key],
+                      need: int) -> EvictionOrderRecord:
+        """Group ``group``'s evictable keys in rule order, as the shadow sees them before
+        the call: victims are the policy's choice within the group's own pool."""
         protected = set(keys)
         ref = self.reference
 
         def evictable(key: Key) -> bool:
             return ref.state.get(key) == "ready" and ref.pins[key] == 0 \
                 and key not in protected
-        if self.arc is None:
-            queue = tuple(k for k in ref.recency if evictable(k))
+        if not self.is_arc:
+            queue = tuple(k for k in ref.recency.get(group, []) if evictable(k))
             return EvictionOrderRecord("lru", need, (queue,), None)
-        writing = sum(1 for s in ref.state.values() if s == "writing")
-        queues = (tuple(k for k in self.arc.t1 if evictable(k)),
-                  tuple(k for k in self.arc.t2 if evictable(k)))
-        return EvictionOrderRecord("arc", need, queues, None, len(self.arc.t1) + writing,
-                                   self.arc.target)
+        arc = self._arc(group)
+        writing = sum(1 for k, s in ref.state.items()
+                      if s == "writing" and key_group(k) == group)
+        queues = (tuple(k for k in arc.t1 if evictable(k)),
+                  tuple(k for k in arc.t2 if evictable(k)))
+        return EvictionOrderRecord("arc", need, queues, None, len(arc.t1) + writing,
+                                   arc.target)
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
         writing = [k for k in dict.fromkeys(keys) if self.reference.state.get(k) == "writing"]
         self.real.complete_store(keys, success)
         self.reference.complete_store(keys, success)
-        if success and self.arc is not None:
+        if success and self.is_arc:
             for key in writing:
-                self.arc.t1[key] = None
+                self._arc(key_group(key)).t1[key] = None
 
     def take_events(self) -> list[Any]:
         self.reference.take_events()
@@ -189,5 +211,5 @@ class ShadowedManager:
     def reset(self) -> None:
         self.real.reset()
         self.reference.reset()
-        if self.arc is not None:
-            self.arc.clear()
+        for arc in self.arcs.values():
+            arc.clear()

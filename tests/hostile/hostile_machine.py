@@ -301,7 +301,8 @@ class HostileMachine(RuleBasedStateMachine):
         self.config = OffloadConfig(groups, hash_block_tokens=2, num_gpu_blocks=48,
                                     num_cpu_blocks=cpu_blocks, num_workers=workers,
                                     max_pending_events=events)
-        manager = CPUOffloadManager(cpu_blocks, check=check, max_pending_events=events)
+        manager = CPUOffloadManager.for_config(self.config, check=check,
+                                               max_pending_events=events)
         self.sched = OffloadScheduler(self.config, manager, check=check)
         self.checked = Checked(self.sched)
         self.engine = Engine(self.config, self.checked, prefill_chunk=4)

@@ -42,9 +42,11 @@ def manager_contents(impl: Any, model: Any) -> tuple[Any, Any]:
     keys = sorted(model.state)
     mine = [(k, impl.state_of(k), impl.slot_of(k)) for k in keys]
     theirs = [(k, model.state_of(k), model.slot_of(k)) for k in keys]
-    order = getattr(impl.policy, "order", None)
-    mine_order = order() if order is not None else None
-    theirs_order = tuple(model.recency) if order is not None else None
+    groups = sorted(model.recency)
+    policies = [impl.policy_of(g) for g in groups]
+    lru = all(hasattr(p, "order") for p in policies)
+    mine_order = [p.order() for p in policies] if lru else None
+    theirs_order = [tuple(model.recency[g]) for g in groups] if lru else None
     return (mine, impl.stats().used, mine_order), (theirs, model.stats().used, theirs_order)
 
 

@@ -39,9 +39,10 @@ from hypothesis.stateful import (
 from kvcore.manager import ARCPolicy, CPUOffloadManager, LRUPolicy, PrepareStoreResult
 from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
 from kvcore.spec.manager_model import ReferenceManager
-from kvcore.spec.types import Key, Status
+from kvcore.spec.types import Key, Status, key_group, make_key
 
-KEYS: list[Key] = [b"k%d" % i for i in range(8)]
+# Two groups (keys alternate), so routing, per-group eviction and per-group slot ids matter.
+KEYS: list[Key] = [make_key(b"k%d" % i, i % 2) for i in range(8)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=5)
 mostly_true = st.sampled_from([True, True, True, False])  # stores usually succeed
 
@@ -55,12 +56,18 @@ def outcome(call: Callable[[], Any]) -> tuple[Any, ...]:
 
 
 def policy_view(m: CPUOffloadManager) -> object:
-    """The policy's whole ordering state: LRU's order, or ARC's lists and target."""
-    policy = m.policy
-    if isinstance(policy, ARCPolicy):
-        return policy.lists(), policy.target_t1
-    assert isinstance(policy, LRUPolicy)
-    return policy.order()
+    """Every pool's whole ordering state: LRU's order, or ARC's lists and target."""
+    views = []
+    for group in (0, 1):
+        policy = m.policy_of(group)
+        if policy is None:
+            views.append(None)
+        elif isinstance(policy, ARCPolicy):
+            views.append((policy.lists(), policy.target_t1))
+        else:
+            assert isinstance(policy, LRUPolicy)
+            views.append(policy.order())
+    return views
 
 
 def m1_record(model: ReferenceManager, keys: list[Key],
@@ -68,7 +75,11 @@ def m1_record(model: ReferenceManager, keys: list[Key],
     """The M1 record of a ``prepare_store`` about to run on ``model``; None if no room
     was needed. Built from the model's state before the call."""
     to_store = {key for key in keys if model.state_of(key) is None}
-    need = len(to_store) - (model.capacity - model.stats().used)
+    need = 0
+    for group in {key_group(key) for key in to_store}:
+        used = sum(1 for key in KEYS if key_group(key) == group and model.state_of(key))
+        absent = sum(1 for key in to_store if key_group(key) == group)
+        need += max(0, absent - (model.capacity_of(group) - used))
     if need <= 0:
         return None
     evicted = got.evicted if got is not None else ()
@@ -93,10 +104,12 @@ class ManagerRefinement(RuleBasedStateMachine):
         self.announced: set[Key] = set()  # keys the events say are loadable
         self.gone: list[Key] = []  # evicted keys, most recent last (ARC's ghosts)
 
-    @initialize(capacity=st.integers(1, 4), policy=st.sampled_from(["lru", "arc"]),
+    @initialize(capacity=st.integers(1, 4) | st.tuples(st.integers(1, 4), st.integers(1, 4)),
+                policy=st.sampled_from(["lru", "arc"]),
                 max_events=st.sampled_from([65_536, 65_536, 0, 1, 3]))
-    def setup(self, capacity: int, policy: str, max_events: int) -> None:
-        """``max_events``: the event buffer's cap in keys; small caps drop events often."""
+    def setup(self, capacity: int | tuple[int, int], policy: str, max_events: int) -> None:
+        """``capacity``: one int for both groups or one per group; ``max_events``: the
+        event buffer's cap in keys; small caps drop events often."""
         self.impl = CPUOffloadManager(capacity, policy, check=True,
                                       max_pending_events=max_events)
         self.model = ReferenceManager(capacity, max_events)
@@ -137,8 +150,9 @@ class ManagerRefinement(RuleBasedStateMachine):
         policy = self.impl.policy
         if not isinstance(policy, ARCPolicy):
             return False
-        stats = self.impl.stats()
-        return len(policy.lists()["t1"]) + stats.writing < int(policy.target_t1)
+        writing = sum(1 for k in KEYS if key_group(k) == 0
+                      and self.model.state_of(k) == "writing")
+        return len(policy.lists()["t1"]) + writing < int(policy.target_t1)
 
     @rule(keys=key_lists, success=mostly_true)
     def store_and_complete(self, keys: list[Key], success: bool) -> None:
@@ -231,9 +245,13 @@ class ManagerRefinement(RuleBasedStateMachine):
 
     @invariant()
     def slots_are_distinct_and_in_range(self) -> None:
-        slots = [s for s in map(self.impl.slot_of, KEYS) if s is not None]
+        """Distinct within a pool: slot ids are per group (both groups start at 0)."""
+        slots = [(key_group(k), s) for k, s in zip(KEYS, map(self.impl.slot_of, KEYS),
+                                                   strict=True) if s is not None]
         assert len(set(slots)) == len(slots)
-        assert all(0 <= s < self.model.capacity for s in slots)
+        assert all(0 <= s < self.model.capacity_of(key_group(key))
+                   for key, s in zip(KEYS, map(self.impl.slot_of, KEYS), strict=True)
+                   if s is not None)
 
     @invariant()
     def hits_are_exactly_the_ready_keys(self) -> None:

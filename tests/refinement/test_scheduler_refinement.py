@@ -156,8 +156,8 @@ class SchedulerMachine(RuleBasedStateMachine):
               warm_up: list[tuple[int, int]]) -> None:
         """Build both schedulers; ``warm_up`` requests (base prompt, length) then run to the
         end, so the CPU tier holds prefixes that later requests can hit."""
-        manager = CPUOffloadManager(config.num_cpu_blocks, check=True,
-                                    max_pending_events=config.max_pending_events)
+        manager = CPUOffloadManager.for_config(config, check=True,
+                                               max_pending_events=config.max_pending_events)
         impl = OffloadScheduler(config, manager, check=True)
         self.pair = Lockstep(impl, ReferenceScheduler(config))
         self.engine = Engine(config, self.pair, prefill_chunk=chunk, spec_tokens=spec_tokens)
@@ -320,7 +320,7 @@ def test_preset_layouts_are_valid(name: str) -> None:
 
 @pytest.mark.parametrize("make", [
     lambda cfg: ReferenceScheduler(cfg),
-    lambda cfg: OffloadScheduler(cfg, CPUOffloadManager(cfg.num_cpu_blocks), check=True)],
+    lambda cfg: OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True)],
     ids=["model", "implementation"])
 def test_partial_chunk_is_never_stored(make: Any) -> None:
     """Regression (found by this machine; fixed in the store rule: only whole chunks are
@@ -358,7 +358,7 @@ def test_load_reads_only_stored_sub_blocks() -> None:
     engine's witness (no load of a sub-block no store wrote) holds throughout."""
     cfg = OffloadConfig((GroupSpec(FULL, 1, 9), GroupSpec(SLIDING, 1, 4, window_tokens=2)),
                         hash_block_tokens=1, num_gpu_blocks=64, num_cpu_blocks=16)
-    impl = OffloadScheduler(cfg, CPUOffloadManager(16, check=True), check=True)
+    impl = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg, check=True), check=True)
     e = Engine(cfg, Lockstep(impl, ReferenceScheduler(cfg)), prefill_chunk=8)
     a = e.arrive(list(range(14)), 1)
     assert e.admit(a, local_units=10) == 0
@@ -383,4 +383,5 @@ def test_touch_covers_the_retained_reach() -> None:
     machine.events_agree()
     impl, model = machine.pair.impl, machine.pair.model
     assert impl.stats().hit_tokens > 0  # the lookups hit, so the touch rule mattered
-    assert impl.manager.policy.order() == tuple(model.manager.recency)
+    for group, order in model.manager.recency.items():
+        assert impl.manager.policy_of(group).order() == tuple(order)

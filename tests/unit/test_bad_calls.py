@@ -298,9 +298,9 @@ BAD: dict[str, Bad] = {
 
 SETUPS: dict[str, Callable[[], Any]] = {
     "checks on": lambda: OffloadScheduler(
-        CFG, CPUOffloadManager(CFG.num_cpu_blocks, check=True), check=True),
+        CFG, CPUOffloadManager.for_config(CFG, check=True), check=True),
     "checks off": lambda: OffloadScheduler(
-        CFG, CPUOffloadManager(CFG.num_cpu_blocks, check=False), check=False),
+        CFG, CPUOffloadManager.for_config(CFG, check=False), check=False),
     "model": lambda: ReferenceScheduler(CFG),
 }
 

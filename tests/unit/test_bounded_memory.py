@@ -29,6 +29,7 @@ from kvcore.spec.types import (
     GroupKind,
     GroupSpec,
     OffloadConfig,
+    make_key,
 )
 
 MANAGERS = {
@@ -36,7 +37,7 @@ MANAGERS = {
     "arc": lambda cap: CPUOffloadManager(8, "arc", check=True, max_pending_events=cap),
     "model": lambda cap: ReferenceManager(8, cap),
 }
-K = [b"key-%d" % i for i in range(12)]
+K = [make_key(b"key-%d" % i, 0) for i in range(12)]
 
 
 @pytest.mark.parametrize("kind", sorted(MANAGERS))

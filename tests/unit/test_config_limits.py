@@ -199,7 +199,7 @@ def request_tokens(cfg: OffloadConfig) -> int:
 def store_step(cfg: OffloadConfig) -> None:
     """Add a request, look it up on the empty tier, store what it computed, finish it."""
     manager = bounded("manager construction",
-                      lambda: CPUOffloadManager(cfg.num_cpu_blocks, check=True))
+                      lambda: CPUOffloadManager.for_config(cfg, check=True))
     sched = bounded("scheduler construction",
                     lambda: OffloadScheduler(cfg, manager, check=True))
     tokens = request_tokens(cfg)

@@ -34,14 +34,14 @@ from kvcore.manager import (
 from kvcore.manager import _cpu as cpu_module
 from kvcore.spec.errors import ConfigError, InvariantViolation, short_key
 from kvcore.spec.manager_model import ReferenceManager
-from kvcore.spec.types import Key, Status
+from kvcore.spec.types import Key, Status, make_key
 
 Manager = Any  # CPUOffloadManager or ReferenceManager: the same public methods
 
 
 def k(*ids: int) -> list[Key]:
     """Keys named by small ints, as upstream's tests name blocks by int hashes."""
-    return [str(i).encode() for i in ids]
+    return [make_key(str(i).encode(), 0) for i in ids]
 
 
 def result(store: Sequence[int], slots: Sequence[int],
@@ -307,12 +307,12 @@ def _prepared(m: Manager) -> Manager:
 
 
 BAD_CALLS: list[tuple[str, Callable[[Manager], object], type[Exception], bytes, str]] = [
-    ("load absent", lambda m: m.prepare_load(k(1, 9)), KeyNotReadyError, b"9", "absent"),
-    ("load writing", lambda m: m.prepare_load(k(2, 3)), KeyNotReadyError, b"3", "writing"),
-    ("unpin unpinned", lambda m: m.complete_load(k(1, 2)), NotPinnedError, b"2", "ready"),
-    ("unpin twice", lambda m: m.complete_load(k(1, 1)), NotPinnedError, b"1", "pinned"),
-    ("unpin writing", lambda m: m.complete_load(k(3)), NotPinnedError, b"3", "writing"),
-    ("unpin absent", lambda m: m.complete_load(k(9)), NotPinnedError, b"9", "absent"),
+    ("load absent", lambda m: m.prepare_load(k(1, 9)), KeyNotReadyError, k(9)[0], "absent"),
+    ("load writing", lambda m: m.prepare_load(k(2, 3)), KeyNotReadyError, k(3)[0], "writing"),
+    ("unpin unpinned", lambda m: m.complete_load(k(1, 2)), NotPinnedError, k(2)[0], "ready"),
+    ("unpin twice", lambda m: m.complete_load(k(1, 1)), NotPinnedError, k(1)[0], "pinned"),
+    ("unpin writing", lambda m: m.complete_load(k(3)), NotPinnedError, k(3)[0], "writing"),
+    ("unpin absent", lambda m: m.complete_load(k(9)), NotPinnedError, k(9)[0], "absent"),
 ]
 
 
@@ -425,7 +425,7 @@ class _BadChoice(EvictionPolicy):
 
 
 def _with_policy(m: CPUOffloadManager, policy: EvictionPolicy) -> CPUOffloadManager:
-    m._policy = policy
+    m._pools[0].policy = policy
     return m
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 
 from kvcore.manager import ARCPolicy, CPUOffloadManager, ManagerEvent, PrepareStoreResult
-from kvcore.spec.types import Key, Status
+from kvcore.spec.types import Key, Status, make_key
 
 
 def k(*ids: int) -> list[Key]:
-    return [str(i).encode() for i in ids]
+    return [make_key(str(i).encode(), 0) for i in ids]
 
 
 def t(*ids: int) -> tuple[Key, ...]:

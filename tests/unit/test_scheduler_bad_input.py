@@ -181,7 +181,7 @@ KNOWN: dict[str, str] = {}
 
 SCHEDULERS: dict[str, Callable[[], Any]] = {
     "implementation": lambda: OffloadScheduler(
-        CFG, CPUOffloadManager(CFG.num_cpu_blocks, check=True), check=True),
+        CFG, CPUOffloadManager.for_config(CFG, check=True), check=True),
     "model": lambda: ReferenceScheduler(CFG),
 }
 

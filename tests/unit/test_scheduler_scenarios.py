@@ -28,7 +28,7 @@ import pytest
 from refinement._engine import Engine, chain_hashes
 from refinement._lockstep import Lockstep
 
-from kvcore.manager import CPUOffloadManager
+from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.scheduler import (
     OffloadScheduler,
     RequestInfo,
@@ -88,14 +88,14 @@ def config(*groups: GroupSpec, hbt: int = 4, gpu: int = 100, cpu: int = 64,
 def engine(cfg: OffloadConfig, *, chunk: int = 64, spec_tokens: int = 0,
            check: bool = True) -> tuple[Engine, Spy]:
     """A fake engine over the implementation (a ``Spy`` tier) and the model, in lockstep."""
-    spy = Spy(cfg.num_cpu_blocks)
+    spy = Spy(cpu_capacities(cfg))
     pair = Lockstep(OffloadScheduler(cfg, spy, check=check), ReferenceScheduler(cfg))
     return Engine(cfg, pair, prefill_chunk=chunk, spec_tokens=spec_tokens), spy
 
 
 def pair(cfg: OffloadConfig) -> Lockstep:
     """Both schedulers, for scenarios scripted hook by hook (no engine)."""
-    return Lockstep(OffloadScheduler(cfg, CPUOffloadManager(cfg.num_cpu_blocks, check=True),
+    return Lockstep(OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg, check=True),
                                      check=True), ReferenceScheduler(cfg))
 
 

@@ -5,10 +5,11 @@ and vLLM's ``max_num_new_tokens`` cap is never needed for kvcore's own groups). 
 vLLM spec maps to one kvcore group kind; anything kvcore cannot describe exactly is a
 ``ConfigError`` that says what to set, never a silent fallback.
 
-CPU capacity: ``cpu_bytes`` is this worker rank's pinned-memory budget. Today kvcore's
-transfer engine gives every group's tensors ``num_cpu_blocks`` chunk rows and the
-manager shares those slots across groups, so ``num_cpu_blocks = cpu_bytes // (sum over
-groups of the bytes one chunk of that group takes on this rank)``.
+CPU capacity: ``cpu_bytes`` is this worker rank's pinned-memory budget. ``num_cpu_blocks``
+is slots per group: the transfer engine gives every group's tensors ``num_cpu_blocks``
+chunk rows and the manager has one pool of that many slots per group, so
+``num_cpu_blocks = cpu_bytes // (sum over groups of the bytes one chunk of that group
+takes on this rank)``.
 """
 
 from __future__ import annotations

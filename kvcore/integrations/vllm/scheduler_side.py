@@ -50,8 +50,8 @@ class SchedulerSide:
     def __init__(self, options: ConnectorOptions) -> None:
         self.options = options
         cfg = options.config
-        self.manager = CPUOffloadManager(cfg.num_cpu_blocks, options.eviction_policy,
-                                         check=options.check)
+        self.manager = CPUOffloadManager.for_config(cfg, options.eviction_policy,
+                                                    check=options.check)
         self.scheduler = OffloadScheduler(cfg, self.manager, check=options.check)
         self._requests: dict[str, Any] = {}
         self._hashes_sent: dict[str, int] = {}
