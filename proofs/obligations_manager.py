@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from kvcore.manager._cpu import CPUOffloadManager
 from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
-from kvcore.spec.types import Key
+from kvcore.spec.types import Key, make_key
 
 from ._bounded import CONFIRMED, REFUTED, Obligation, pick
 from ._mutate import mutant
 
-KEYS: tuple[Key, ...] = (b"k0", b"k1", b"k2")
+# Keys of group 0 (the tier routes each key by its group to that group's pool).
+KEYS: tuple[Key, ...] = tuple(make_key(h, 0) for h in (b"k0", b"k1", b"k2"))
 POLICIES = ("lru", "arc")
 OPS = 3
 HISTORY_KEYS = 2  # the history uses k0 and k1; the last call may add k2
