@@ -12,9 +12,9 @@ from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import cast
 
-from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, BadKeyError
+from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, BadKeyError, ConfigError
 from kvcore.spec.plans import TransferPlan
-from kvcore.spec.types import KEY_GROUP_BYTES, Key
+from kvcore.spec.types import KEY_GROUP_BYTES, MAX_GROUPS, Key
 
 # Limits on what a hook accepts. A hash longer than 64 bytes is no hash function an engine
 # uses (SHA-256 is 32, vLLM's are 8-32); a request id of more than 1024 characters is a
@@ -337,3 +337,28 @@ def check_success(where: str, success: object) -> None:
     if type(success) is not bool:
         raise ArgumentTypeError(where, "success", success, "bool",
                                 "pass True if every byte landed, else False")
+
+
+# A limit on everything: a capacity beyond this is a units mistake (bytes for chunks).
+MAX_CAPACITY_CHUNKS = 1 << 40
+
+
+def check_capacity(capacity: object) -> None:
+    """Raise ConfigError(field="capacity") unless ``capacity`` is a positive int in range,
+    or a non-empty list or tuple of such ints (one per group, at most MAX_GROUPS)."""
+    if isinstance(capacity, list | tuple):
+        if len(capacity) == 0 or len(capacity) > MAX_GROUPS:
+            raise ConfigError("capacity", f"capacity has {len(capacity)} per-group entries; "
+                              f"give one per group, 1..{MAX_GROUPS}, or one int for all")
+        for one in capacity:
+            check_capacity(one)
+        return
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
+                          "size in chunks per group")
+    if capacity <= 0:
+        raise ConfigError("capacity", f"capacity={capacity} must be positive: the CPU tier "
+                          "needs room for at least one chunk")
+    if capacity > MAX_CAPACITY_CHUNKS:
+        raise ConfigError("capacity", f"capacity={capacity} exceeds {MAX_CAPACITY_CHUNKS} "
+                          "chunks; it counts chunks, not bytes")

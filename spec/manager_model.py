@@ -51,13 +51,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcore.spec.errors import (
-    ConfigError,
     InvalidKeyError,
     KeyGroupError,
     KeyNotReadyError,
     NotPinnedError,
 )
-from kvcore.spec.hooks import check_key, check_keys, check_success
+from kvcore.spec.hooks import check_capacity, check_key, check_keys, check_success
 from kvcore.spec.types import (
     DEFAULT_MAX_PENDING_EVENTS,
     KEY_GROUP_BYTES,
@@ -66,9 +65,6 @@ from kvcore.spec.types import (
     Status,
     check_pending_events,
 )
-
-# A limit on everything: a capacity beyond this is a units mistake (bytes for chunks).
-MAX_CAPACITY_CHUNKS = 1 << 40
 
 # -- values -----------------------------------------------------------------------------
 
@@ -116,27 +112,6 @@ class ManagerStats:
 
 
 # -- operating errors -------------------------------------------------------------------
-
-
-def check_capacity(capacity: object) -> None:
-    """Raise ConfigError(field="capacity") unless ``capacity`` is a positive int in range,
-    or a non-empty list or tuple of such ints (one per group, at most MAX_GROUPS)."""
-    if isinstance(capacity, list | tuple):
-        if len(capacity) == 0 or len(capacity) > MAX_GROUPS:
-            raise ConfigError("capacity", f"capacity has {len(capacity)} per-group entries; "
-                              f"give one per group, 1..{MAX_GROUPS}, or one int for all")
-        for one in capacity:
-            check_capacity(one)
-        return
-    if isinstance(capacity, bool) or not isinstance(capacity, int):
-        raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
-                          "size in chunks per group")
-    if capacity <= 0:
-        raise ConfigError("capacity", f"capacity={capacity} must be positive: the CPU tier "
-                          "needs room for at least one chunk")
-    if capacity > MAX_CAPACITY_CHUNKS:
-        raise ConfigError("capacity", f"capacity={capacity} exceeds {MAX_CAPACITY_CHUNKS} "
-                          "chunks; it counts chunks, not bytes")
 
 
 def check_key_types(keys: Sequence[object]) -> None:

@@ -10,17 +10,32 @@ cannot disagree. Torch-free, so the scheduler side imports it without the engine
 
 from __future__ import annotations
 
+from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError
 from kvcore.spec.types import OffloadConfig
 
 
 def group_capacity(config: OffloadConfig, group: int) -> int:
     """Slots of ``group``'s CPU pool: slot ids ``0..capacity-1``."""
+    check_config("group_capacity", config)
+    if type(group) is not int:
+        raise ArgumentTypeError("group_capacity", "group", group, "int",
+                                "pass a group index of the config")
     if not 0 <= group < len(config.groups):
-        raise IndexError(f"group={group} is not a group of this config "
-                         f"(0..{len(config.groups) - 1})")
+        raise ArgumentRangeError("group_capacity", "group", group,
+                                 f"0..{len(config.groups) - 1} (the config's groups)",
+                                 "pass a group index of the config")
     return config.num_cpu_blocks
+
+
+def check_config(where: str, config: object) -> None:
+    """An ``OffloadConfig``, not a dict or a preset name: its fields are validated once."""
+    if not isinstance(config, OffloadConfig):
+        raise ArgumentTypeError(where, "config", config, "OffloadConfig",
+                                "build one with kvcore.OffloadConfig(...) or "
+                                "kvcore.presets.preset(name)")
 
 
 def cpu_capacities(config: OffloadConfig) -> tuple[int, ...]:
     """Every group's slot count, in group order."""
+    check_config("cpu_capacities", config)
     return tuple(group_capacity(config, g) for g in range(len(config.groups)))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
-from kvcore.manager._capacity import cpu_capacities
+from kvcore.manager._capacity import check_config, cpu_capacities
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
 from kvcore.spec.errors import (
@@ -29,10 +29,15 @@ from kvcore.spec.errors import (
     KeyNotReadyError,
     NotPinnedError,
 )
-from kvcore.spec.hooks import MAX_KEY_BYTES, check_key, check_keys, check_success
+from kvcore.spec.hooks import (
+    MAX_KEY_BYTES,
+    check_capacity,
+    check_key,
+    check_keys,
+    check_success,
+)
 from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
 from kvcore.spec.manager_model import (
-    MAX_CAPACITY_CHUNKS,
     ManagerEvent,
     ManagerStats,
     PrepareStoreResult,
@@ -48,26 +53,6 @@ from kvcore.spec.types import (
 )
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
-
-
-def check_capacity(capacity: object) -> None:
-    """kvcore's own check (the reference manager has its own): a positive int in range,
-    or a non-empty list or tuple of them, one per group."""
-    if isinstance(capacity, list | tuple):
-        if not 0 < len(capacity) <= MAX_GROUPS:
-            raise ConfigError("capacity", f"capacity has {len(capacity)} per-group entries; "
-                              f"give one per group, 1..{MAX_GROUPS}, or one int for all")
-        for one in capacity:
-            check_capacity(one)
-        return
-    if isinstance(capacity, bool) or not isinstance(capacity, int):
-        raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
-                          "size in chunks per group (or a list of them, one per group)")
-    if not 0 < capacity <= MAX_CAPACITY_CHUNKS:
-        hint = ("must be positive: the CPU tier needs room for at least one chunk"
-                if capacity <= 0 else
-                f"exceeds {MAX_CAPACITY_CHUNKS} chunks; it counts chunks, not bytes")
-        raise ConfigError("capacity", f"capacity={capacity} {hint}")
 
 
 class _Pool:
@@ -165,6 +150,7 @@ class CPUOffloadManager(OffloadManager):
         """Pools sized exactly as ``TransferEngine`` pins rows (``cpu_capacities(config)``,
         one pool per group of ``config``); events bounded by the config's
         ``max_pending_events`` unless given."""
+        check_config("CPUOffloadManager.for_config", config)
         events = config.max_pending_events if max_pending_events is None else max_pending_events
         return cls(cpu_capacities(config), policy, check=check, max_pending_events=events)
 

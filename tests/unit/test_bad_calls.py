@@ -22,12 +22,12 @@ and an untouched twin through the same next steps and compares every answer.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from bad_input_layout import CFG, hashes
 from refinement._lockstep import plain
 from state_snapshot import snapshot
 
@@ -41,20 +41,7 @@ from kvcore.scheduler import (
 )
 from kvcore.spec import errors as E
 from kvcore.spec.model import ReferenceScheduler
-from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, make_key
-
-CFG = OffloadConfig((GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING, 4,
-                                                              window_tokens=8)),
-                    hash_block_tokens=4, num_gpu_blocks=64, num_cpu_blocks=64, num_workers=2)
-
-
-def hashes(n: int, seed: int = 0) -> tuple[bytes, ...]:
-    out, prev = [], b""
-    for i in range(n):
-        prev = hashlib.blake2b(prev + bytes((seed, i)), digest_size=8).digest()
-        out.append(prev)
-    return tuple(out)
-
+from kvcore.spec.types import make_key
 
 A, C, D = hashes(6), hashes(3, seed=1), hashes(4, seed=2)
 STORE_JOB, C_JOB, LOAD_JOB = 1, 2, 3

@@ -12,6 +12,8 @@ import inspect
 import pytest
 
 import kvcore
+from kvcore.manager import _capacity
+from kvcore.presets import preset
 from kvcore.spec import errors
 
 CLASSES = [c for _, c in inspect.getmembers(errors, inspect.isclass)
@@ -42,3 +44,18 @@ def test_argument_errors_carry_their_fields_and_teach() -> None:
     typed = errors.ArgumentTypeError("lookup", "num_tokens", "7", "int", "pass an int")
     assert isinstance(typed, TypeError)
     assert str(typed) == "lookup: num_tokens='7' is a str, expected int; pass an int"
+
+
+@pytest.mark.parametrize(("call", "error"), [
+    (lambda: kvcore.CPUOffloadManager.for_config({"num_cpu_blocks": 8}), errors.ArgumentTypeError),
+    (lambda: _capacity.cpu_capacities("gemma3"), errors.ArgumentTypeError),
+    (lambda: _capacity.group_capacity(preset("gemma3"), 2), errors.ArgumentRangeError),
+    (lambda: _capacity.group_capacity(preset("gemma3"), -1), errors.ArgumentRangeError),
+    (lambda: _capacity.group_capacity(preset("gemma3"), True), errors.ArgumentTypeError),
+], ids=["for_config-dict", "capacities-name", "group-past-end", "group-negative", "group-bool"])
+def test_pool_sizing_refuses_what_is_not_a_config_or_a_group(call: object, error: type) -> None:
+    """Sizing the CPU pools from something that is not a config, or for a group the config
+    lacks, is an argument error naming it, never an AttributeError or IndexError."""
+    with pytest.raises(error):
+        call()  # type: ignore[operator]
+

@@ -37,10 +37,9 @@ REFERENCE = frozenset({"kvcore.spec.model", "kvcore.spec.manager_model"})
 # hook dataclasses, plan shapes, and invariant predicates and records ...
 ALLOWED_MODULES = frozenset({"kvcore.spec.types", "kvcore.spec.errors", "kvcore.spec.hooks",
                              "kvcore.spec.plans", "kvcore.spec.invariants"})
-# ... and, from the reference manager's module, only its interface dataclasses and its
-# capacity limit (a constant, not a rule).
+# ... and, from the reference manager's module, only its interface dataclasses.
 ALLOWED_NAMES = {"kvcore.spec.manager_model": frozenset({
-    "ManagerEvent", "ManagerStats", "PrepareStoreResult", "MAX_CAPACITY_CHUNKS"})}
+    "ManagerEvent", "ManagerStats", "PrepareStoreResult"})}
 FORBIDDEN_MODULES = ("kvcore.spec.lookup", "kvcore.spec.model", "kvcore.spec.manager_model")
 # Checkers, not the implementation: the simulator's shadow tier runs the reference manager
 # in lock step beside kvcore's (``kvcore check``'s M2 refinement). Only this module may.

@@ -19,12 +19,12 @@ against the reference model, so both honour it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from bad_input_layout import CFG, hashes
 from refinement._lockstep import observable, plain
 
 from kvcore.manager import CPUOffloadManager
@@ -42,20 +42,6 @@ from kvcore.spec.errors import (
     UnknownRequestError,
 )
 from kvcore.spec.model import ReferenceScheduler
-from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
-
-CFG = OffloadConfig((GroupSpec(GroupKind.FULL, 4), GroupSpec(GroupKind.SLIDING, 4,
-                                                              window_tokens=8)),
-                    hash_block_tokens=4, num_gpu_blocks=64, num_cpu_blocks=64, num_workers=2)
-
-
-def hashes(n: int, seed: int = 0) -> tuple[bytes, ...]:
-    out, prev = [], b""
-    for i in range(n):
-        prev = hashlib.blake2b(prev + bytes((seed, i)), digest_size=8).digest()
-        out.append(prev)
-    return tuple(out)
-
 
 A_HASHES, C_HASHES, D_HASHES = hashes(6), hashes(3, seed=1), hashes(4, seed=2)
 STORE_JOB, C_JOB, LOAD_JOB = 1, 2, 3
