@@ -41,7 +41,9 @@ Progress = Callable[[str], None]
 # mutant's ``apply``, entered afresh for each stage and each seed.
 Apply = Callable[[], contextlib.AbstractContextManager[Any]]
 
-STAGES = ("directed", "simulations", "state machine")
+STAGES = ("directed", "simulations", "state machine", "copy library")
+# Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
+COPY_CASES = 6000
 POLICIES = ("lru", "arc")
 
 # Option sets the seeded simulations cycle through: calm, stormy, and under pressure.
@@ -207,6 +209,20 @@ def run_directed(config: OffloadConfig, result: BatteryResult, *, preset: str = 
                 return
 
 
+def run_copy(config: OffloadConfig, cases: int, result: BatteryResult) -> None:
+    """The C library against seeded hostile tables (``kvcore._copycheck``)."""
+    from kvcore._copycheck import run_copy_library
+
+    try:
+        run_copy_library(config, cases, result.checked)
+    except Exception as exc:  # every failure is reported, whatever its type
+        kind, ids = classify(exc)
+        result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
+                                 "python -c 'from kvcore._copycheck import *; from kvcore.zoo "
+                                 f"import layout; run_copy_library(layout(...), {cases}, {{}})'",
+                                 "copy library", "0")
+
+
 def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int,
                 steps: int, factory: Any = None, shrink: bool = True,
                 progress: Progress | None = None, apply: Apply | None = None
@@ -225,6 +241,7 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
         "simulations": lambda: run_sims(config, seeds, result, preset=preset, apply=apply),
         "state machine": lambda: run_machine(config, examples, steps, result,
                                              shrink=shrink, apply=apply),
+        "copy library": lambda: run_copy(config, COPY_CASES, result),
     }
     for stage in STAGES:
         t0 = time.perf_counter()

@@ -15,14 +15,18 @@ with Python threads; ``tests/native/test_smoke.py`` checks that in the generated
 
 from __future__ import annotations
 
-import enum
 import functools
 import importlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcore.spec.descriptors import REGION_DEVICE, REGION_REFUSE_ROW0, Side, Status
 from kvcore.spec.errors import KVCopyError
+
+# The status codes and sides are the header's, mirrored once in kvcore.spec.descriptors
+# (beside the reference of what the library must refuse); re-exported here.
+__all__ = ["REGION_DEVICE", "REGION_REFUSE_ROW0", "Side", "Status"]
 
 INT64_MAX = (1 << 63) - 1
 INT64_MIN = -(1 << 63)
@@ -30,47 +34,6 @@ UINT64_MAX = (1 << 64) - 1
 DESC_FIELDS = 7  # kvc_desc: src_region, src_row, src_offset, dst_region, dst_row, dst_offset, size
 
 
-class Status(enum.IntEnum):
-    """Mirror of the KVC_* status codes in native/kvcore_copy.h (the smoke test compares)."""
-
-    OK = 0
-    E_NULL_ARGUMENT = 1
-    E_LIMIT = 2
-    E_FLAGS = 3
-    E_REGION = 4
-    E_OVERFLOW = 5
-    E_REGION_ID = 6
-    E_ROW_RANGE = 7
-    E_NULL_ROW = 8
-    E_NEGATIVE = 9
-    E_ZERO_SIZE = 10
-    E_SIZE = 11
-    E_OFFSET = 12
-    E_OVERLAP = 13
-    E_SHAPE = 14
-    E_NO_CUDA = 15
-    E_DEFAULT_STREAM = 16
-    E_CUDA = 17
-    E_NOT_READY = 18
-    E_METHOD = 19
-    E_PAGEABLE = 20
-    E_DST_OVERLAP = 21
-    E_READS_WRITTEN = 22
-    E_NO_MEMORY = 23
-    E_STORAGE = 24
-
-
-class Side(enum.IntEnum):
-    """Mirror of KVC_SIDE_*: which side of a descriptor an error is about."""
-
-    NONE = 0
-    SRC = 1
-    DST = 2
-    REGION = 3
-
-
-REGION_REFUSE_ROW0 = 1
-REGION_DEVICE = 2
 COPY_PLAIN = 1
 COPY_STREAM = 2
 COPY_NO_STREAM = 4

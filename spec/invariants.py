@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcore.spec.descriptors import RegionShape, Side, cross_violations, first_violation
+from kvcore.spec.descriptors import Status as CopyStatus
 from kvcore.spec.lookup import HitMap, read_at_segment_end, served_chunks, spec_hit
 from kvcore.spec.plans import JobKind, TransferPlan, chunks_spanned
 from kvcore.spec.types import PENDING, Key, LookupResult, OffloadConfig, Status, cdiv
@@ -29,7 +31,7 @@ class Violation:
 
 
 INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "L3", "J1", "J2",
-                 "S1", "S2", "B1", "F1", "X1", "M1", "M2", "K1")
+                 "S1", "S2", "B1", "F1", "X1", "X2", "M1", "M2", "K1")
 
 # -- records ------------------------------------------------------------------------------
 
@@ -180,6 +182,38 @@ class FailureRecord:
     failed_store_status: dict[Key, Status]
     failed_load_jobs: frozenset[int] = frozenset()
     reported_load_jobs: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class TransferOutcomeRecord:
+    """What the copy engine made of one plan the scheduler built with its checks on (X2).
+
+    ``planned_bytes`` is counted by the caller from the plan and its own buffers, not by the
+    engine; ``error`` is the engine's refusal (at submit or in the job), None on success.
+    """
+
+    job_id: int
+    planned_bytes: int
+    success: bool
+    moved_bytes: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CopyCallRecord:
+    """One call into the C copy library and what it did (B1 and X2 at the byte level).
+
+    ``error`` is the refusal as (status, descriptor index or None for a region, value,
+    bound), None if the call succeeded; ``changed`` whether any byte outside what the
+    reference copy writes changed, ``copied_ok`` whether the memory equals the reference
+    copy afterwards (meaningful for an accepted call).
+    """
+
+    regions: tuple[RegionShape, ...]
+    descs: tuple[tuple[int, ...], ...]
+    error: tuple[int, int | None, int, int] | None
+    changed: bool
+    copied_ok: bool
 
 
 @dataclass(frozen=True)
@@ -503,6 +537,69 @@ def x1_failure_never_hit(r: FailureRecord) -> list[Violation]:
     return out
 
 
+def x2_valid_plan_carried_out(r: TransferOutcomeRecord) -> list[Violation]:
+    """X2: a plan that passed S1, S2 and B1 is carried out whole by the copy engine.
+
+    A refusal there is not a safe failure: the engine recomputes, but every store of that
+    shape is lost and every load of it is a miss, so offloading silently stops paying.
+    """
+    if not r.success:
+        return [Violation("X2", f"job {r.job_id}: the copy engine refused a valid plan: "
+                          f"{(r.error or '?')[:200]}", {"job": r.job_id})]
+    if r.moved_bytes != r.planned_bytes:
+        return [Violation("X2", f"job {r.job_id} moved {r.moved_bytes} bytes, its plan "
+                          f"holds {r.planned_bytes}", {"job": r.job_id})]
+    return []
+
+
+def b1_copy_library_refuses(r: CopyCallRecord) -> list[Violation]:
+    """B1: the copy library refuses every table ``spec.descriptors`` forbids, with its code
+    and offending values, before any byte moves.
+
+    A bad table the library accepts is the out-of-bounds copy of vllm#44780; a wrong code
+    sends the engineer to the wrong field.
+    """
+    expected = first_violation(r.regions, r.descs)
+    cross = cross_violations(r.regions, r.descs) if expected is None else None
+    if expected is None and cross is None:
+        return []
+    got = r.error
+    if got is None:
+        want = CopyStatus(expected[0] if expected else cross[0]).name  # type: ignore[index]
+        return [Violation("B1", f"the copy library accepted a table it must refuse with {want}",
+                          {"descs": list(r.descs[:4])})]
+    if r.changed:
+        return [Violation("B1", "a refused call changed bytes", {"status": got[0]})]
+    if expected is not None:
+        status, index, side, value, bound = expected
+        want_index = None if side == Side.REGION else index
+        if (got[0], got[1], got[2], got[3]) != (status, want_index, value, bound):
+            return [Violation("B1", f"refused with {got}, the rule says "
+                              f"{(CopyStatus(status).name, want_index, value, bound)}",
+                              {"got": got, "want": (status, want_index, value, bound)})]
+        return []
+    code, pairs = cross  # type: ignore[misc]
+    if got[0] != code or (got[1], got[2]) not in pairs or got[3] != 0:
+        return [Violation("B1", f"refused with {got}, the rule says {CopyStatus(code).name} "
+                          f"at one of {sorted(pairs)[:4]}", {"got": got})]
+    return []
+
+
+def x2_copy_library_accepts(r: CopyCallRecord) -> list[Violation]:
+    """X2: the copy library carries out every table ``spec.descriptors`` allows, byte for
+    byte as one memcpy per descriptor in order."""
+    if first_violation(r.regions, r.descs) is not None or \
+            cross_violations(r.regions, r.descs) is not None:
+        return []
+    if r.error is not None:
+        return [Violation("X2", f"the copy library refused a valid table: {r.error}",
+                          {"error": r.error, "descs": list(r.descs[:4])})]
+    if not r.copied_ok:
+        return [Violation("X2", "an accepted table left other bytes than one memcpy per "
+                          "descriptor", {"descs": list(r.descs[:4])})]
+    return []
+
+
 def m1_eviction_safe(r: EvictionRecord) -> list[Violation]:
     """M1: pinned or WRITING keys are never evicted; eviction is atomic.
 
@@ -625,6 +722,8 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     PlanRecord: (s1_plan_shape, s2_store_runs, b1_block_ids_in_range),
     FenceRecord: (f1_fence,),
     FailureRecord: (x1_failure_never_hit,),
+    TransferOutcomeRecord: (x2_valid_plan_carried_out,),
+    CopyCallRecord: (b1_copy_library_refuses, x2_copy_library_accepts),
     EvictionRecord: (m1_eviction_safe,),
     KeyRecord: (k1_keys_distinct,),
     EvictionOrderRecord: (m2_eviction_order,),

@@ -38,45 +38,55 @@ from kvcore.spec.types import (
 def lookup_limit(cfg: OffloadConfig, num_tokens: int) -> int:
     """The largest boundary a lookup may return.
 
-    With a SLIDING or MAMBA group the last prompt token is always recomputed (its logits are
-    needed and a window cannot be resumed past it); MAMBA state exists only at chunk ends.
+    A window or Mamba group cannot resume past the last prompt token (its logits must be
+    computed, and its state cannot be rebuilt from blocks), so that token is recomputed;
+    Mamba state is saved only where a Mamba chunk ends, so the boundary drops to one.
+    Written in tokens here; the reference (``spec.lookup``) states the same rule its own way.
     """
-    limit = num_tokens - 1 if cfg.has_window_groups else num_tokens
-    align = cfg.mamba_align_tokens
-    if align is not None:
-        limit -= limit % align
-    return max(limit, 0)
+    top = num_tokens
+    mamba_chunk = 0
+    for g in cfg.groups:
+        if g.kind is not GroupKind.FULL:
+            top = num_tokens - 1
+        if g.kind is GroupKind.MAMBA:
+            mamba_chunk = g.tokens_per_chunk
+    if mamba_chunk:
+        top = top // mamba_chunk * mamba_chunk
+    return top if top > 0 else 0
 
 
 def needed_chunks(g: GroupSpec, boundary: int, computed: int) -> tuple[int, int] | None:
     """``[lo, hi)``: the chunks group ``g`` must hit to support ``boundary``; None if it cannot.
 
-    ``hi`` includes a draft group's extra chunk. None means the boundary is impossible for
-    the group whatever the hit map (a MAMBA boundary off a chunk end).
+    Derived from the first token the group's state at ``boundary`` depends on: FULL needs
+    everything not already computed; SLIDING the last ``reach_tokens`` tokens, and at least
+    the ``window_chunks`` chunks up to the boundary's; MAMBA the one chunk ending exactly at
+    the boundary (None off a chunk end). A draft group also needs one chunk past the end.
     """
     o = g.tokens_per_chunk
-    b = cdiv(boundary, o)
-    first_needed = computed // o
+    end = -(-boundary // o)
     if g.kind is GroupKind.FULL:
-        lo = first_needed
-    elif g.kind is GroupKind.SLIDING:
+        first_token = computed
+    elif g.kind is GroupKind.MAMBA:
+        if boundary % o:
+            return None
+        first_token = boundary - o
+    else:
         window = g.window_chunks
         assert_int(window)
-        reach = min(b - window, (boundary - g.reach_tokens) // o)  # type: ignore[operator]
-        lo = max(first_needed, reach)
-    else:
-        if boundary % o != 0:
-            return None
-        lo = max(first_needed, b - 1)
-    return lo, b + g.extra_chunks
+        first_token = min((end - window) * o, boundary - g.reach_tokens)  # type: ignore[operator]
+    lo = max(first_token, computed) // o
+    return lo, end + (1 if g.is_draft else 0)
 
 
 def served_chunks(g: GroupSpec, boundary: int, computed: int) -> tuple[int, int] | None:
-    """The chunks a load at ``boundary`` may read: the needed ones minus the draft extra."""
+    """The chunks a load at ``boundary`` may read: the needed ones, but never the draft
+    group's chunk past the end (a draft's last chunk is volatile)."""
     rng = needed_chunks(g, boundary, computed)
     if rng is None:
         return None
-    return rng[0], rng[1] - g.extra_chunks
+    lo, hi = rng
+    return lo, hi - 1 if g.is_draft else hi
 
 
 # -- store ------------------------------------------------------------------------------

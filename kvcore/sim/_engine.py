@@ -30,7 +30,8 @@ from kvcore.scheduler._checks import enforce
 from kvcore.sim import _kv
 from kvcore.sim._shadow import ShadowedManager
 from kvcore.sim._workload import PromptSource, SimOptions
-from kvcore.spec.invariants import FailureRecord
+from kvcore.spec.errors import KVCoreError
+from kvcore.spec.invariants import FailureRecord, TransferOutcomeRecord
 from kvcore.spec.plans import TransferPlan, sub_block_position
 from kvcore.spec.types import GroupKind, OffloadConfig, Status, cdiv
 from kvcore.transfer import TransferEngine
@@ -237,7 +238,7 @@ class Simulator:
         plan = self.scheduler.build_step(step)
         self.transfer.wait(plan.flush)
         for load in plan.loads:
-            self.transfer.submit(load)
+            self._submit(load)
         for r, n, _ in scheduled:
             self._forward(r, n)
         frontiers = {r.request_id: min(r.computed + n, len(r.tokens)) for r, n, _ in scheduled}
@@ -245,7 +246,7 @@ class Simulator:
             if self.check:
                 self._check_storable(store, frontiers.get(store.request_id))
             self.store_plans[store.job_id] = store
-            self.transfer.submit(store)
+            self._submit(store)
         for r, n, _ in scheduled:
             self._sample(r, n)
         self._collect()
@@ -470,6 +471,11 @@ class Simulator:
         # run deterministic, and report delays below stand in for real asynchrony.
         self.transfer.wait(list(self.store_plans) + list(self.load_plans))
         for result in sorted(self.transfer.poll(), key=lambda r: r.job_id):
+            if self.check:
+                plan = self.store_plans.get(result.job_id) or self.load_plans[result.job_id]
+                enforce([TransferOutcomeRecord(result.job_id, self._plan_bytes(plan),
+                                               result.success, result.bytes, result.error)],
+                        self.checked)
             bad_worker = self.rng.randrange(workers) if (
                 not result.success or self.rng.random() < (opts.fail_rate or 0.0)) else -1
             for worker in range(workers):
@@ -482,6 +488,23 @@ class Simulator:
                     self.failed_jobs.add(result.job_id)
                 self.reports.append((self.step_no + delay, report))
         self.rng.shuffle(self.reports)
+
+    def _submit(self, plan: TransferPlan) -> None:
+        """Hand a plan to the copy engine; with checks on, a refusal of a plan the scheduler
+        built with its checks on is X2 (the engine must carry out every valid plan)."""
+        try:
+            self.transfer.submit(plan)
+        except KVCoreError as exc:
+            if not self.check:
+                raise
+            enforce([TransferOutcomeRecord(plan.job_id, self._plan_bytes(plan), False, 0,
+                                           f"{type(exc).__name__}: {exc}")], self.checked)
+            raise
+
+    def _plan_bytes(self, plan: TransferPlan) -> int:
+        """The bytes a plan moves, counted from the simulator's own GPU tensors."""
+        return sum(len(grp.gpu_block_ids) * sum(t[0].nbytes for t in self.gpu[g])
+                   for g, grp in enumerate(plan.groups))
 
     def deliver_reports_now(self) -> None:
         """Deliver every outstanding report at once, as fast workers would, without

@@ -26,6 +26,9 @@ from hypothesis import strategies as st
 
 from kvcore import _native
 from kvcore._native import DescriptorTable, Region, RegionTable, Side, Status
+from kvcore.spec.descriptors import address, sequential_copy
+from kvcore.spec.descriptors import cross_violations as reference_overlaps
+from kvcore.spec.descriptors import first_violation as reference_check
 from kvcore.spec.errors import KVCopyError
 
 U64 = (1 << 64) - 1
@@ -53,117 +56,10 @@ class Arena:
                       rows, flags)
 
 
-def reference_check(regions: list[Region], descs: Sequence[tuple[int, ...]]
-                    ) -> tuple[int, int, int, int, int] | None:
-    """(status, index, side, value, bound) of the first violation, as the header defines it."""
-    for i, r in enumerate(regions):
-        region_bad = _region_violation(r)
-        if region_bad:
-            return (region_bad[0], i, Side.REGION, region_bad[1], region_bad[2])
-    for i, d in enumerate(descs):
-        desc_bad = _desc_violation(regions, d)
-        if desc_bad:
-            return (desc_bad[0], i, desc_bad[1], desc_bad[2], desc_bad[3])
-    return None
-
-
-def _clamp(v: int) -> int:
-    return min(v, I64)
-
-
-def _region_violation(r: Region) -> tuple[int, int, int] | None:
-    if r.flags & ~3:
-        return (Status.E_FLAGS, r.flags, 3)
-    if r.base + r.size_bytes > U64:
-        return (Status.E_OVERFLOW, _clamp(r.size_bytes), _clamp(U64 - r.base))
-    if r.num_rows == 0:
-        return None
-    if r.base == 0:
-        return (Status.E_REGION, 0, 1)
-    if r.num_rows > 1 and r.row_bytes > r.row_stride_bytes:
-        return (Status.E_REGION, _clamp(r.row_bytes), _clamp(r.row_stride_bytes))
-    last = (r.num_rows - 1) * r.row_stride_bytes
-    if last > U64:
-        return (Status.E_OVERFLOW, _clamp(r.num_rows), _clamp(U64 // r.row_stride_bytes))
-    if last + r.row_bytes > U64 or last + r.row_bytes > r.size_bytes:
-        return (Status.E_REGION, _clamp(r.num_rows), _clamp(r.size_bytes))
-    return None
-
-
-def _side_violation(regions: list[Region], region: int, row: int, off: int, size: int,
-                    side: int) -> tuple[int, int, int, int] | None:
-    if not 0 <= region < len(regions):
-        return (Status.E_REGION_ID, side, region, len(regions))
-    r = regions[region]
-    if not 0 <= row < r.num_rows:
-        return (Status.E_ROW_RANGE, side, row, _clamp(r.num_rows))
-    if row == 0 and r.flags & _native.REGION_REFUSE_ROW0:
-        return (Status.E_NULL_ROW, side, 0, 1)
-    if off < 0:
-        return (Status.E_NEGATIVE, side, off, 0)
-    if size > r.row_bytes:
-        return (Status.E_SIZE, side, size, _clamp(r.row_bytes))
-    if off > r.row_bytes - size:
-        return (Status.E_OFFSET, side, off, _clamp(r.row_bytes - size))
-    return None
-
-
-def address(regions: list[Region], region: int, row: int, off: int) -> int:
-    r = regions[region]
-    return r.base + row * r.row_stride_bytes + off
-
-
-def _desc_violation(regions: list[Region], d: tuple[int, ...]
-                    ) -> tuple[int, int, int, int] | None:
-    sr, srow, soff, dr, drow, doff, size = d
-    if size < 0:
-        return (Status.E_NEGATIVE, Side.NONE, size, 0)
-    if size == 0:
-        return (Status.E_ZERO_SIZE, Side.NONE, 0, 1)
-    bad = _side_violation(regions, sr, srow, soff, size, Side.SRC) or \
-        _side_violation(regions, dr, drow, doff, size, Side.DST)
-    if bad:
-        return bad
-    s, t = address(regions, sr, srow, soff), address(regions, dr, drow, doff)
-    if s < t + size and t < s + size:
-        return (Status.E_OVERLAP, Side.DST, _clamp(t), _clamp(s))
-    return None
-
-
-def reference_overlaps(regions: list[Region], descs: Sequence[tuple[int, ...]]
-                       ) -> tuple[int, set[tuple[int, int]]] | None:
-    """For a table every descriptor of which is valid: the cross-descriptor rule it breaks.
-
-    Returns the status and every (index, value) pair the C library may report: two
-    destinations sharing a byte as (later, earlier), else a source sharing a byte with
-    another descriptor's destination as (reader, writer). Quadratic, written from the
-    header's words; the library's sort must agree with it.
-    """
-    spans = [(address(regions, d[0], d[1], d[2]), address(regions, d[3], d[4], d[5]), d[6])
-             for d in descs]
-
-    def meet(a: int, b: int, n: int, m: int) -> bool:
-        return a < b + m and b < a + n
-
-    dst = {(j, i) for j in range(len(spans)) for i in range(j)
-           if meet(spans[j][1], spans[i][1], spans[j][2], spans[i][2])}
-    if dst:
-        return (Status.E_DST_OVERLAP, dst)
-    reads = {(i, j) for i in range(len(spans)) for j in range(len(spans))
-             if i != j and meet(spans[i][0], spans[j][1], spans[i][2], spans[j][2])}
-    return (Status.E_READS_WRITTEN, reads) if reads else None
-
-
 def reference_copy(arena: Arena, before: bytearray, regions: list[Region],
                    descs: Sequence[tuple[int, ...]]) -> bytearray:
     """Sequential memcpy semantics over a snapshot (what the C library promises)."""
-    out = bytearray(before)
-    origin = arena.buf.data_ptr()
-    for sr, srow, soff, dr, drow, doff, size in descs:
-        s = address(regions, sr, srow, soff) - origin
-        t = address(regions, dr, drow, doff) - origin
-        out[t:t + size] = out[s:s + size]
-    return out
+    return sequential_copy(before, arena.buf.data_ptr(), regions, descs)
 
 
 def run_and_check(arena: Arena, regions: list[Region], descs: Sequence[tuple[int, ...]],

@@ -39,11 +39,15 @@ ALLOWED_MODULES = frozenset({"kvcore.spec.types", "kvcore.spec.errors", "kvcore.
                              "kvcore.spec.plans", "kvcore.spec.invariants"})
 # ... and, from the reference manager's module, only its interface dataclasses.
 ALLOWED_NAMES = {"kvcore.spec.manager_model": frozenset({
-    "ManagerEvent", "ManagerStats", "PrepareStoreResult"})}
+    "ManagerEvent", "ManagerStats", "PrepareStoreResult"}),
+    # ... and from the copy library's reference, the header's codes and constants.
+    "kvcore.spec.descriptors": frozenset({
+        "Status", "Side", "REGION_REFUSE_ROW0", "REGION_DEVICE", "I64", "U64"})}
 FORBIDDEN_MODULES = ("kvcore.spec.lookup", "kvcore.spec.model", "kvcore.spec.manager_model")
 # Checkers, not the implementation: the simulator's shadow tier runs the reference manager
-# in lock step beside kvcore's (``kvcore check``'s M2 refinement). Only this module may.
-CHECKERS = frozenset({"kvcore.sim._shadow"})
+# in lock step beside kvcore's (``kvcore check``'s M2 refinement), and the copy-library
+# stage compares the C library with the descriptor reference. Only these modules may.
+CHECKERS = frozenset({"kvcore.sim._shadow", "kvcore._copycheck"})
 
 
 def module_name(path: Path) -> str:

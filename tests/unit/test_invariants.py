@@ -24,11 +24,14 @@ from typing import Any
 import pytest
 from spec_strategies import FULL, SLIDING, make_config, parse_statuses
 
+from kvcore._native import Region
+from kvcore.spec.descriptors import Status as CopyStatus
 from kvcore.spec.invariants import (
     INVARIANT_IDS,
     PREDICATE_IDS,
     PREDICATES,
     CompletionRecord,
+    CopyCallRecord,
     CursorMoveRecord,
     EvictionOrderRecord,
     EvictionRecord,
@@ -44,8 +47,10 @@ from kvcore.spec.invariants import (
     Skip,
     StoreOfferRecord,
     TraceEntry,
+    TransferOutcomeRecord,
     Violation,
     b1_block_ids_in_range,
+    b1_copy_library_refuses,
     check,
     e1_volatile_chunk_never_offered,
     e2_cursor_leaves_no_hole,
@@ -64,6 +69,8 @@ from kvcore.spec.invariants import (
     s1_plan_shape,
     s2_store_runs,
     x1_failure_never_hit,
+    x2_copy_library_accepts,
+    x2_valid_plan_carried_out,
 )
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import PENDING, GroupSpec, Status, make_key
@@ -131,6 +138,13 @@ F1_OK = FenceRecord(allocated=frozenset({5, 6}), store_sources={1: frozenset({5}
                     flushed=frozenset({1}))
 X1_OK = FailureRecord(failed_store_status={K[0]: Status.MISS},
                       failed_load_jobs=frozenset({4}), reported_load_jobs=frozenset({4}))
+X2_OK = TransferOutcomeRecord(job_id=7, planned_bytes=4096, success=True, moved_bytes=4096)
+# Two pools of 4 rows of 64 bytes; the first refuses row 0 (the null block).
+POOLS = (Region(4096, 256, 64, 64, 4, 1), Region(8192, 256, 64, 64, 4, 0))
+B1_COPY_OK = CopyCallRecord(POOLS, ((0, 0, 0, 1, 2, 0, 64),),  # reads the null row
+                            (CopyStatus.E_NULL_ROW, 0, 0, 1), changed=False, copied_ok=False)
+X2_COPY_OK = CopyCallRecord(POOLS, ((0, 1, 0, 1, 2, 0, 64), (1, 3, 0, 0, 2, 32, 32)), None,
+                            changed=False, copied_ok=True)
 M1_OK = EvictionRecord(call_keys=(K[0], K[1]), evicted=((K[2], "ready"), (K[3], "ready")),
                        needed=2, returned_none=False, changed_state=True)
 # LRU: the two least recent evictable keys go. ARC: |T1| = 2 < int(p) = 3, so T2 gives
@@ -298,6 +312,28 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
             K[0]: Status.PENDING}), "still present"),
         Across("a failed load not reported for recompute",
                replace(X1_OK, reported_load_jobs=frozenset()), "failed loads [4]"),
+    ]),
+    (x2_valid_plan_carried_out, X2_OK, [
+        Across("the engine refused the plan",
+               replace(X2_OK, success=False, moved_bytes=0, error="KVCopyError: code 11"),
+               "refused a valid plan"),
+        Across("one byte short", replace(X2_OK, moved_bytes=4095), "moved 4095 bytes"),
+    ]),
+    (b1_copy_library_refuses, B1_COPY_OK, [
+        Across("a bad table accepted", replace(B1_COPY_OK, error=None), "accepted a table"),
+        Across("refused with another code",
+               replace(B1_COPY_OK, error=(CopyStatus.E_ROW_RANGE, 0, 0, 4)), "the rule says"),
+        Across("refused, but bytes changed", replace(B1_COPY_OK, changed=True),
+               "changed bytes"),
+        Across("two destinations meet, accepted",
+               replace(X2_COPY_OK, descs=((0, 1, 0, 1, 2, 0, 64), (0, 2, 0, 1, 2, 8, 8)),
+                       error=None), "E_DST_OVERLAP"),
+    ]),
+    (x2_copy_library_accepts, X2_COPY_OK, [
+        Across("a valid table refused",
+               replace(X2_COPY_OK, error=(CopyStatus.E_SIZE, 0, 64, 63), copied_ok=False),
+               "refused a valid table"),
+        Across("accepted, wrong bytes", replace(X2_COPY_OK, copied_ok=False), "other bytes"),
     ]),
     (m1_eviction_safe, M1_OK, [
         Across("a pinned key evicted",

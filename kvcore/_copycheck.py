@@ -1,0 +1,151 @@
+"""``kvcore check``'s "copy library" stage: the C validator against hostile tables.
+
+In the rest of the battery every table reaching C was built by the transfer engine from a
+checked plan, so the C library's refusal paths never run: a validator that lets a bad row
+through would pass every simulation. Here seeded random tables go to ``kvc_copy``
+directly, inside one arena with guard bytes: regions shaped like the layout's pools (one
+per group, row 0 refused where the group's tables use it as the null block, plus a CPU
+pool), descriptors near the valid range with one field pushed to an edge now and then
+(row -1, the row count, offsets past the row, 64-bit extremes), and tables that overlap
+on purpose. Each call becomes a ``CopyCallRecord``: B1 says what must be refused and how,
+X2 that everything else is copied byte for byte (``spec.invariants``, from the reference in
+``spec.descriptors``). Bounded: ``cases`` calls of at most 8 descriptors in 4 KiB.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import torch
+
+from kvcore import _native
+from kvcore._native import DescriptorTable, Region, RegionTable
+from kvcore.scheduler._checks import enforce
+from kvcore.spec.descriptors import I64, REGION_REFUSE_ROW0, U64, sequential_copy
+from kvcore.spec.errors import KVCopyError
+from kvcore.spec.invariants import CopyCallRecord
+from kvcore.spec.types import OffloadConfig
+
+ARENA_BYTES = 4096
+GUARD = 256
+EXTREMES = (-(1 << 63), -1, I64, I64 - 1, 1 << 62, 1 << 32)
+FLAGS = (0, _native.COPY_PLAIN, _native.COPY_STREAM)
+
+
+class _Arena:
+    """One byte tensor holding every region between guard bytes, refilled per call."""
+
+    def __init__(self) -> None:
+        self.buf = torch.zeros(ARENA_BYTES + 2 * GUARD, dtype=torch.uint8)
+        self.origin = self.buf.data_ptr()
+        self.base = self.origin + GUARD
+
+    def fill(self, rng: random.Random) -> bytearray:
+        data = rng.randbytes(self.buf.numel())
+        ctypes.memmove(self.origin, data, len(data))
+        return bytearray(data)
+
+    def snapshot(self) -> bytearray:
+        return bytearray(ctypes.string_at(self.origin, self.buf.numel()))
+
+
+def _regions(rng: random.Random, arena: _Arena, config: OffloadConfig) -> list[Region]:
+    """One region per group (at most 3) and a CPU pool; now and then an inconsistent one."""
+    kinds = [g.kind for g in config.groups[:3]] + [None]
+    regions = []
+    for kind in kinds:
+        offset = rng.randrange(ARENA_BYTES)
+        row_bytes = rng.randrange(97)
+        stride = row_bytes + rng.choice((0, 0, 8, 33))
+        room = ARENA_BYTES - offset
+        rows = rng.randrange(min(12, max(0, (room - row_bytes) // max(stride, 1) + 1)) + 1)
+        extent = (rows - 1) * stride + row_bytes if rows else 0
+        if extent > room:
+            rows, extent = 0, 0
+        # Row 0 of a GPU pool is the null block (a window or Mamba table's padding, which
+        # the transfer engine drops): the pools refuse it; the CPU pool has no null row.
+        flags = REGION_REFUSE_ROW0 if kind is not None else 0
+        if rng.random() < 0.015:
+            flags |= 4  # an unknown flag
+        size = extent - (1 if rng.random() < 0.015 and extent else 0)
+        regions.append(_odd(rng, Region(arena.base + offset, size, stride, row_bytes, rows,
+                                        flags)))
+    return regions
+
+
+def _odd(rng: random.Random, r: Region) -> Region:
+    """Now and then a region at an edge of its own rules: rows closer than a row (valid for
+    one row only), or fields whose extent overflows 64 bits. The C library must refuse the
+    bad ones before it reads any descriptor."""
+    roll = rng.random()
+    if roll < 0.03 and r.row_bytes > 1:
+        stride = rng.randrange(r.row_bytes)
+        rows = rng.choice((1, 2, max(1, r.num_rows)))
+        return Region(r.base, (rows - 1) * stride + r.row_bytes, stride, r.row_bytes, rows,
+                      r.flags)
+    if roll < 0.04:
+        return Region(U64 - rng.randrange(1, 64), r.size_bytes, r.row_stride_bytes,
+                      r.row_bytes, r.num_rows, r.flags)
+    if roll < 0.05:
+        return Region(r.base, U64 - rng.randrange(2), r.row_stride_bytes, r.row_bytes,
+                      r.num_rows, r.flags)
+    if roll < 0.06:
+        return Region(r.base, r.size_bytes, 1 << rng.randrange(8, 40), r.row_bytes,
+                      1 << rng.randrange(30, 62), r.flags)
+    return r
+
+
+def _descriptors(rng: random.Random, regions: list[Region]) -> list[tuple[int, ...]]:
+    descs: list[tuple[int, ...]] = []
+    for _ in range(rng.randrange(9)):
+        sr, dr = rng.randrange(len(regions)), rng.randrange(len(regions))
+        s, d = regions[sr], regions[dr]
+        size = rng.randint(1, max(1, min(s.row_bytes, d.row_bytes)))
+        desc = [sr, _row(rng, s), rng.randint(0, max(0, s.row_bytes - size)),
+                dr, _row(rng, d), rng.randint(0, max(0, d.row_bytes - size)), size]
+        if descs and rng.random() < 0.15:  # meet an earlier descriptor on purpose
+            other = rng.choice(descs)
+            side = rng.choice((0, 3))
+            desc[side:side + 3] = other[rng.choice((0, 3)):][:3]
+        elif rng.random() < 0.3:
+            field = rng.randrange(7)
+            limit = (len(regions), s.num_rows, s.row_bytes, len(regions), d.num_rows,
+                     d.row_bytes, max(s.row_bytes, d.row_bytes))[field]
+            desc[field] = rng.choice(EXTREMES) if rng.random() < 0.25 \
+                else rng.randint(-2, limit + 2)
+        descs.append(tuple(desc))
+    return descs
+
+
+def _row(rng: random.Random, r: Region) -> int:
+    """A row inside the region; row 0 (the null block) now and then."""
+    if r.num_rows <= 1 or rng.random() < 0.03:
+        return 0
+    return rng.randrange(1, r.num_rows)
+
+
+def _call(arena: _Arena, regions: list[Region], descs: list[tuple[int, ...]],
+          flags: int, rng: random.Random) -> CopyCallRecord:
+    before = arena.fill(rng)
+    error: tuple[int, int | None, int, int] | None = None
+    try:
+        _native.copy(RegionTable(regions), DescriptorTable.pack(descs), flags=flags)
+    except KVCopyError as exc:
+        error = (int(exc.code or 0), exc.descriptor_index, int(exc.value or 0),
+                 int(exc.bound or 0))
+    after = arena.snapshot()
+    copied_ok = error is None and after == sequential_copy(before, arena.origin, regions, descs)
+    return CopyCallRecord(tuple(regions), tuple(descs), error, after != before and
+                          error is not None, copied_ok)
+
+
+def run_copy_library(config: OffloadConfig, cases: int, counts: dict[str, int],
+                     seed: int = 0) -> None:
+    """``cases`` seeded hostile calls; the first broken rule raises InvariantViolation."""
+    arena = _Arena()
+    for case in range(cases):
+        rng = random.Random(f"copy:{seed}:{case}")
+        regions = _regions(rng, arena, config)
+        descs = _descriptors(rng, regions)
+        enforce([_call(arena, regions, descs, rng.choice(FLAGS), rng)], counts)
