@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                    default=ROOT / "build" / "mutate-venv" / "bin" / "cosmic-ray")
     p.add_argument("--json", type=Path, default=ROOT / "build" / "mutate" / "report.json")
     p.add_argument("--list", action="store_true", help="print the sampled mutants and stop")
+    p.add_argument("--ids", default="",
+                   help="run only these idents of the sample (m03,m17): re-run survivors")
     p.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = p.parse_args(argv)
     if not args.cosmic_ray.exists():
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                  "into build/mutate-venv")
     opts = Options(args.cosmic_ray, args.timeout, args.hang_factor, args.pytest_args.split(),
                    tuple(r.strip() for r in args.runners.split(",")))
-    opts.env = {"CI": "true", "PYTHONDONTWRITEBYTECODE": "1", "KVCORE_EXPLORE_SECONDS": "0",
+    opts.env = {"CI": "true", "PYTHONDONTWRITEBYTECODE": "1", "KVCORE_EXPLORE_SECONDS": "",
                 "PYTHONWARNINGS": "ignore::UserWarning"}
     os.nice(10)
     tree = Path(tempfile.mkdtemp(prefix="kvcore-mutate."))
@@ -362,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             m.ident = f"m{i:02d}"
         print(f"mutate: {len(pool)} Python and {len(c_pool)} C mutants in the chosen operators; "
               f"sample {len(sample)} (seed {args.seed}); copy in {tree}", flush=True)
+        if args.ids:
+            wanted = set(args.ids.split(","))
+            sample = [m for m in sample if m.ident in wanted]
         if args.list:
             for m in sample:
                 print(f"  {m.ident} {m.path}:{m.line} {m.family}/{m.operator}#{m.occurrence}")
