@@ -18,7 +18,7 @@ import contextlib
 import io
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ Progress = Callable[[str], None]
 # mutant's ``apply``, entered afresh for each stage and each seed.
 Apply = Callable[[], contextlib.AbstractContextManager[Any]]
 
-STAGES = ("directed", "simulations", "state machine", "copy library")
+STAGES = ("directed", "simulations", "state machine", "refinement", "copy library")
 # Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
 COPY_CASES = 6000
 POLICIES = ("lru", "arc")
@@ -135,18 +135,27 @@ def sim_options(seed: int, context: int = 400) -> SimOptions:
 
 
 def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
-             preset: str, apply: Apply = _unmutated) -> None:
-    """Seeded simulations, each in a fresh ``apply``; stops at the first failure."""
+             preset: str, apply: Apply = _unmutated, lockstep: bool = False) -> None:
+    """Seeded simulations, each in a fresh ``apply``; stops at the first failure.
+
+    With ``lockstep`` (the "refinement" stage) every seed runs the LRU tier with the
+    scheduler in lock step with the reference model (R1).
+    """
+    stage = "refinement" if lockstep else "simulations"
     for seed in range(seeds):
+        opts = sim_options(seed)
+        if lockstep:
+            opts = replace(opts, policy="lru", lockstep=True)
         with apply() as factory:
-            sim = Simulator(config, sim_options(seed), check=True, scheduler_factory=factory)
+            sim = Simulator(config, opts, check=True, scheduler_factory=factory)
             try:
                 sim.run()
             except Exception as exc:  # every failure is reported, whatever its type
                 kind, ids = classify(exc)
+                extra = " --lockstep" if lockstep else ""
                 result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
                                          f"kvcore simulate --preset {preset} --seed {seed} "
-                                         "--check-options", "simulations", str(seed))
+                                         f"--check-options{extra}", stage, str(seed))
                 return
             finally:
                 sim.transfer.close()
@@ -241,6 +250,8 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
         "simulations": lambda: run_sims(config, seeds, result, preset=preset, apply=apply),
         "state machine": lambda: run_machine(config, examples, steps, result,
                                              shrink=shrink, apply=apply),
+        "refinement": lambda: run_sims(config, seeds, result, preset=preset, apply=apply,
+                                       lockstep=True),
         "copy library": lambda: run_copy(config, COPY_CASES, result),
     }
     for stage in STAGES:

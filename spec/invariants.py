@@ -31,7 +31,7 @@ class Violation:
 
 
 INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "L3", "J1", "J2",
-                 "S1", "S2", "B1", "F1", "X1", "X2", "M1", "M2", "K1")
+                 "S1", "S2", "B1", "F1", "X1", "X2", "M1", "M2", "K1", "R1")
 
 # -- records ------------------------------------------------------------------------------
 
@@ -214,6 +214,16 @@ class CopyCallRecord:
     error: tuple[int, int | None, int, int] | None
     changed: bool
     copied_ok: bool
+
+
+@dataclass(frozen=True)
+class RefinementRecord:
+    """One hook's answer (or observable state after it) from kvcore and from the reference
+    model, as plain data (R1)."""
+
+    after: str
+    implementation: Any
+    reference: Any
 
 
 @dataclass(frozen=True)
@@ -600,6 +610,19 @@ def x2_copy_library_accepts(r: CopyCallRecord) -> list[Violation]:
     return []
 
 
+def r1_refines_reference(r: RefinementRecord) -> list[Violation]:
+    """R1: kvcore refines the reference model: every hook returns what the reference returns
+    (or fails the same way) and their observable state agrees after it.
+
+    The safety invariants allow many wrong answers (a smaller hit, a chunk never stored,
+    another eviction); the reference, written apart from kvcore, allows exactly one.
+    """
+    if r.implementation == r.reference:
+        return []
+    return [Violation("R1", f"{r.after}: kvcore gave {str(r.implementation)[:300]}, the "
+                      f"reference {str(r.reference)[:300]}", {"after": r.after[:120]})]
+
+
 def m1_eviction_safe(r: EvictionRecord) -> list[Violation]:
     """M1: pinned or WRITING keys are never evicted; eviction is atomic.
 
@@ -724,6 +747,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     FailureRecord: (x1_failure_never_hit,),
     TransferOutcomeRecord: (x2_valid_plan_carried_out,),
     CopyCallRecord: (b1_copy_library_refuses, x2_copy_library_accepts),
+    RefinementRecord: (r1_refines_reference,),
     EvictionRecord: (m1_eviction_safe,),
     KeyRecord: (k1_keys_distinct,),
     EvictionOrderRecord: (m2_eviction_order,),

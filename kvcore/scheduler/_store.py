@@ -7,6 +7,7 @@ accepted, and returns the cursor moves for the scheduler to apply.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcore.scheduler._rules import (
@@ -89,14 +90,18 @@ def build_store(cfg: OffloadConfig, req: RequestState, draft: StoreDraft, job_id
 
 
 def store_records(cfg: OffloadConfig, draft: StoreDraft, built: BuiltStore | None,
-                  moved: bool) -> list[object]:
-    """Spec records for one request's store step (E1, E2, and S1/S2/B1 on the plan)."""
+                  cursors: Sequence[int]) -> list[object]:
+    """Spec records for one request's store step (E1, E2, and S1/S2/B1 on the plan).
+
+    ``cursors`` are the request's cursors as they are after the step, read from its state
+    rather than from the draft, so E2 judges the move that happened.
+    """
     records: list[object] = []
     for group, offer in enumerate(draft.offers):
         g = cfg.groups[group]
         records.append(StoreOfferRecord(group, g.is_draft, g.tokens_per_chunk,
                                         draft.frontier, offer.offered))
-        new = offer.new_cursor if moved else offer.old_cursor
+        new = cursors[group]
         records.append(CursorMoveRecord(group, offer.old_cursor, new,
                                         frozenset(offer.offered), offer.skipped, cfg))
     if built is not None:

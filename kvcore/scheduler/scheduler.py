@@ -448,18 +448,18 @@ class OffloadScheduler:
         if not draft.keys:
             self._move_cursors(req, draft)
             if self.check:
-                self._enforce(_store.store_records(self.config, draft, None, True))
+                self._enforce(_store.store_records(self.config, draft, None, req.cursors))
             return None
         out = self.manager.prepare_store(list(draft.keys))
         if out is None:
             self._stats.store_skipped_no_room += 1
             if self.check:
-                self._enforce(_store.store_records(self.config, draft, None, False))
+                self._enforce(_store.store_records(self.config, draft, None, req.cursors))
             return None
         self._move_cursors(req, draft)
         if not out.keys_to_store:
             if self.check:
-                self._enforce(_store.store_records(self.config, draft, None, True))
+                self._enforce(_store.store_records(self.config, draft, None, req.cursors))
             return None
         accepted = dict(zip(out.keys_to_store, out.slots, strict=True))
         built = _store.build_store(self.config, req, draft, self._jobs.new_id(), accepted)
@@ -471,7 +471,7 @@ class OffloadScheduler:
         self._stats.stores += 1
         self._stats.chunks_stored += len(out.keys_to_store)
         if self.check:  # J1 when the job is created, not only at the next lookup
-            self._enforce([*_store.store_records(self.config, draft, built, True),
+            self._enforce([*_store.store_records(self.config, draft, built, req.cursors),
                            JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id))])
         return built.plan
 

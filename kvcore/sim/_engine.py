@@ -28,6 +28,7 @@ from kvcore.scheduler import (
 )
 from kvcore.scheduler._checks import enforce
 from kvcore.sim import _kv
+from kvcore.sim._lockstep import paired
 from kvcore.sim._shadow import ShadowedManager
 from kvcore.sim._workload import PromptSource, SimOptions
 from kvcore.spec.errors import KVCoreError
@@ -104,8 +105,15 @@ class Simulator:
         shadow = check and cfg.num_cpu_blocks <= SHADOW_MAX_CHUNKS
         self.manager: Any = ShadowedManager(cpu_capacities(cfg), policy, check=True) \
             if shadow else CPUOffloadManager.for_config(cfg, policy, check=check)
+        # Checks the simulator makes itself, outside the code under test (X1, X2, R1).
+        self.checked: dict[str, int] = {}
         factory = scheduler_factory or OffloadScheduler
         self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
+        if opts.lockstep:
+            if policy != "lru":
+                raise ValueError(f"lockstep=True needs policy='lru', got {policy!r}: the "
+                                 "reference tier is LRU")
+            self.scheduler = paired(self.scheduler, cfg, self.checked)  # type: ignore[assignment]
         self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,
                                  device=device) for _ in range(opts.layers)]
                     for _ in cfg.groups]
@@ -125,8 +133,6 @@ class Simulator:
         self.failed_jobs: set[int] = set()
         self.force_preempt: set[str] = set()
         self.requeued: list[str] = []
-        # Checks the simulator makes itself, outside the code under test (X1).
-        self.checked: dict[str, int] = {}
         self.check = check
         for _ in range(min(opts.requests, opts.max_running + 2)):
             self.add_request()

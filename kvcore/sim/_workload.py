@@ -45,6 +45,9 @@ class SimOptions:
     layers: int = 2
     row_elems: int = 4
     max_steps: int = 20_000
+    # Run the scheduler in lock step with the reference model (R1; LRU only, since the
+    # reference tier is LRU). Slower: the reference recomputes everything on each hook.
+    lockstep: bool = False
 
     def drawn(self) -> SimOptions:
         """A copy with every unset rate drawn from the seed (printed first by the CLI)."""

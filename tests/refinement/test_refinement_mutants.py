@@ -33,11 +33,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
-from refinement._lockstep import LockstepError
 from refinement.test_scheduler_refinement import SchedulerMachine
 
 from kvcore.scheduler import _rules, _store
 from kvcore.scheduler import scheduler as _sched
+from kvcore.sim._lockstep import LockstepError
 from kvcore.spec.errors import InvariantViolation
 
 MAX_EXAMPLES = 100

@@ -36,7 +36,6 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from refinement._engine import Engine, chain_hashes
-from refinement._lockstep import Lockstep, observable
 
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import (
@@ -48,6 +47,7 @@ from kvcore.scheduler import (
     UnknownJobError,
     WorkerReport,
 )
+from kvcore.sim._lockstep import Lockstep, observable
 from kvcore.spec.model import ReferenceScheduler
 from kvcore.spec.types import PENDING, GroupKind, GroupSpec, OffloadConfig, StoreLevel
 

@@ -46,8 +46,9 @@ ALLOWED_NAMES = {"kvcore.spec.manager_model": frozenset({
 FORBIDDEN_MODULES = ("kvcore.spec.lookup", "kvcore.spec.model", "kvcore.spec.manager_model")
 # Checkers, not the implementation: the simulator's shadow tier runs the reference manager
 # in lock step beside kvcore's (``kvcore check``'s M2 refinement), and the copy-library
-# stage compares the C library with the descriptor reference. Only these modules may.
-CHECKERS = frozenset({"kvcore.sim._shadow", "kvcore._copycheck"})
+# stage compares the C library with the descriptor reference, and the refinement stage
+# runs the reference scheduler in lock step (R1). Only these modules may.
+CHECKERS = frozenset({"kvcore.sim._shadow", "kvcore.sim._lockstep", "kvcore._copycheck"})
 
 
 def module_name(path: Path) -> str:

@@ -44,6 +44,7 @@ from kvcore.spec.invariants import (
     LookupRecord,
     LookupTraceRecord,
     PlanRecord,
+    RefinementRecord,
     Skip,
     StoreOfferRecord,
     TraceEntry,
@@ -66,6 +67,7 @@ from kvcore.spec.invariants import (
     l3_load_covers_every_block,
     m1_eviction_safe,
     m2_eviction_order,
+    r1_refines_reference,
     s1_plan_shape,
     s2_store_runs,
     x1_failure_never_hit,
@@ -145,6 +147,7 @@ B1_COPY_OK = CopyCallRecord(POOLS, ((0, 0, 0, 1, 2, 0, 64),),  # reads the null 
                             (CopyStatus.E_NULL_ROW, 0, 0, 1), changed=False, copied_ok=False)
 X2_COPY_OK = CopyCallRecord(POOLS, ((0, 1, 0, 1, 2, 0, 64), (1, 3, 0, 0, 2, 32, 32)), None,
                             changed=False, copied_ok=True)
+R1_OK = RefinementRecord("lookup('r1', 0, 40)", ("LookupResult", (32,)), ("LookupResult", (32,)))
 M1_OK = EvictionRecord(call_keys=(K[0], K[1]), evicted=((K[2], "ready"), (K[3], "ready")),
                        needed=2, returned_none=False, changed_state=True)
 # LRU: the two least recent evictable keys go. ARC: |T1| = 2 < int(p) = 3, so T2 gives
@@ -334,6 +337,10 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                replace(X2_COPY_OK, error=(CopyStatus.E_SIZE, 0, 64, 63), copied_ok=False),
                "refused a valid table"),
         Across("accepted, wrong bytes", replace(X2_COPY_OK, copied_ok=False), "other bytes"),
+    ]),
+    (r1_refines_reference, R1_OK, [
+        Across("a smaller hit than the reference's",
+               replace(R1_OK, implementation=("LookupResult", (16,))), "kvcore gave"),
     ]),
     (m1_eviction_safe, M1_OK, [
         Across("a pinned key evicted",

@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 from bad_input_layout import CFG, hashes
-from refinement._lockstep import observable, plain
 
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import (
@@ -35,6 +34,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
+from kvcore.sim._lockstep import observable, plain
 from kvcore.spec.errors import (
     BadReportError,
     BadStepError,

@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 from refinement._engine import Engine, chain_hashes
-from refinement._lockstep import Lockstep
 
 from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.scheduler import (
@@ -36,6 +35,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
+from kvcore.sim._lockstep import Lockstep
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.model import ReferenceScheduler
 from kvcore.spec.plans import TransferPlan

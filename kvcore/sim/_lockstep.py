@@ -1,12 +1,19 @@
-"""Run the implementation and the reference model side by side, comparing every answer.
+"""Run the implementation and the reference model side by side, comparing every answer (R1).
 
 ``Lockstep`` has the scheduler's hook methods; each call goes to ``OffloadScheduler`` and
-to ``kvcore.spec.model.ReferenceScheduler`` with the same arguments, and then asserts that
+to ``kvcore.spec.model.ReferenceScheduler`` with the same arguments, and then checks that
 both returned the same value (or raised the same kind of error) and that their observable
 state agrees: tracked requests, cursors, jobs, stats, and the CPU tier's contents, slots,
 LRU order and stats. The two return their own dataclasses with the same fields, so values
-are compared as ``dataclasses.astuple``. The engine can drive a ``Lockstep`` as it drives
-either scheduler alone.
+are compared as ``dataclasses.astuple``. A difference is an R1 violation
+(``spec.invariants.r1_refines_reference``). An engine, the simulator included, drives a
+``Lockstep`` as it drives either scheduler alone; anything else it asks of the scheduler
+(``checked``, ``cursors``...) is the implementation's.
+
+This is a checker, not the implementation: with ``tests/refinement`` it is what
+``kvcore check``'s "refinement" stage runs, the one place a plain behaviour change of the
+scheduler (a smaller hit, a chunk not stored, another slot) is named even when every
+safety invariant still holds.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcore.spec.errors import InvariantViolation
+from kvcore.spec.invariants import RefinementRecord, check
 
 
 def plain(value: Any) -> Any:
@@ -50,16 +58,39 @@ def manager_contents(impl: Any, model: Any) -> tuple[Any, Any]:
     return (mine, impl.stats().used, mine_order), (theirs, model.stats().used, theirs_order)
 
 
-class LockstepError(AssertionError):
-    """The implementation and the reference model disagreed."""
+class LockstepError(InvariantViolation):
+    """The implementation and the reference model disagreed (R1)."""
+
+
+def _refines(after: str, got: Any, want: Any, counts: dict[str, int] | None) -> None:
+    record = RefinementRecord(after, got, want)
+    if counts is not None:
+        counts["R1"] = counts.get("R1", 0) + 1
+    violations = check([record])
+    if violations:
+        raise LockstepError(violations)
+
+
+def paired(impl: Any, config: Any, counts: dict[str, int] | None = None) -> Lockstep:
+    """``impl`` in lock step with a fresh reference scheduler and LRU tier for ``config``."""
+    from kvcore.manager import cpu_capacities
+    from kvcore.spec.manager_model import ReferenceManager
+    from kvcore.spec.model import ReferenceScheduler
+
+    manager = ReferenceManager(cpu_capacities(config), config.max_pending_events)
+    return Lockstep(impl, ReferenceScheduler(config, manager), counts)
 
 
 class Lockstep:
     """Both schedulers behind one set of hooks; every call is compared."""
 
-    def __init__(self, impl: Any, model: Any) -> None:
+    def __init__(self, impl: Any, model: Any, counts: dict[str, int] | None = None) -> None:
         self.impl = impl
         self.model = model
+        self.counts = counts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.impl, name)
 
     def _both(self, name: str, *args: Any) -> Any:
         got = _outcome(lambda: getattr(self.impl, name)(*args))
@@ -68,13 +99,15 @@ class Lockstep:
             raise got[1]
         if want[0] == "error" and isinstance(want[1], AssertionError):
             raise want[1]
+        call = f"{name}{args!r}"[:300]
         if got[0] == "ok" and want[0] == "ok":
-            if plain(got[1]) != plain(want[1]):
-                raise LockstepError(f"{name}{args!r}:\n  implementation -> {got[1]!r}\n"
-                                    f"  model          -> {want[1]!r}")
-        elif _error_kind(got) != _error_kind(want):
-            raise LockstepError(f"{name}{args!r}:\n  implementation -> {got[1]!r}\n"
-                                f"  model          -> {want[1]!r}")
+            _refines(call, plain(got[1]), plain(want[1]), self.counts)
+        else:
+            mine: Any = _error_kind(got)
+            theirs: Any = _error_kind(want)
+            if mine != theirs:  # the texts only to show which call broke
+                mine, theirs = (mine, repr(got[1])[:200]), (theirs, repr(want[1])[:200])
+            _refines(call, mine, theirs, self.counts)
         self.compare_state(name)
         if got[0] == "error":
             raise got[1]
@@ -84,11 +117,10 @@ class Lockstep:
         mine, theirs = observable(self.impl), observable(self.model)
         if mine != theirs:
             diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
-            raise LockstepError(f"after {after}: observable state differs "
-                                f"(implementation, model): {diff}")
+            _refines(f"after {after}: observable state", {k: v[0] for k, v in diff.items()},
+                     {k: v[1] for k, v in diff.items()}, None)
         got, want = manager_contents(self.impl.manager, self.model.manager)
-        if got != want:
-            raise LockstepError(f"after {after}: CPU tier contents differ:\n  {got}\n  {want}")
+        _refines(f"after {after}: CPU tier contents", got, want, None)
 
     # -- the hooks -------------------------------------------------------------------------
 
