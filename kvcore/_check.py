@@ -41,7 +41,10 @@ Progress = Callable[[str], None]
 # mutant's ``apply``, entered afresh for each stage and each seed.
 Apply = Callable[[], contextlib.AbstractContextManager[Any]]
 
-STAGES = ("directed", "simulations", "state machine", "refinement", "copy library")
+STAGES = ("directed", "simulations", "state machine", "refinement", "bad calls",
+          "copy library")
+# Seeds the "bad calls" stage runs (each with at most 40 bad twins of real calls).
+HOSTILE_SEEDS = 6
 # Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
 COPY_CASES = 6000
 POLICIES = ("lru", "arc")
@@ -134,25 +137,37 @@ def sim_options(seed: int, context: int = 400) -> SimOptions:
                       prefill_budget=160, **base)
 
 
+def stage_options(seed: int, *, lockstep: bool = False, hostile: bool = False) -> SimOptions:
+    """Seed ``seed``'s options in the simulations (neither flag), refinement (``lockstep``:
+    the LRU tier, R1) or bad-calls stage (``hostile``: a small tier and pool, since each
+    bad call snapshots the whole state twice)."""
+    opts = sim_options(seed)
+    if lockstep:
+        opts = replace(opts, policy="lru", lockstep=True)
+    if hostile:
+        opts = replace(opts, hostile=True, num_cpu_blocks=48, num_gpu_blocks=700)
+    return opts
+
+
 def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
-             preset: str, apply: Apply = _unmutated, lockstep: bool = False) -> None:
+             preset: str, apply: Apply = _unmutated, lockstep: bool = False,
+             hostile: bool = False) -> None:
     """Seeded simulations, each in a fresh ``apply``; stops at the first failure.
 
     With ``lockstep`` (the "refinement" stage) every seed runs the LRU tier with the
-    scheduler in lock step with the reference model (R1).
+    scheduler in lock step with the reference model (R1); with ``hostile`` (the "bad
+    calls" stage) bad twins of real calls must bounce (A1).
     """
-    stage = "refinement" if lockstep else "simulations"
+    stage = "refinement" if lockstep else "bad calls" if hostile else "simulations"
     for seed in range(seeds):
-        opts = sim_options(seed)
-        if lockstep:
-            opts = replace(opts, policy="lru", lockstep=True)
+        opts = stage_options(seed, lockstep=lockstep, hostile=hostile)
         with apply() as factory:
             sim = Simulator(config, opts, check=True, scheduler_factory=factory)
             try:
                 sim.run()
             except Exception as exc:  # every failure is reported, whatever its type
                 kind, ids = classify(exc)
-                extra = " --lockstep" if lockstep else ""
+                extra = " --lockstep" if lockstep else " --hostile" if hostile else ""
                 result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
                                          f"kvcore simulate --preset {preset} --seed {seed} "
                                          f"--check-options{extra}", stage, str(seed))
@@ -252,6 +267,8 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
                                              shrink=shrink, apply=apply),
         "refinement": lambda: run_sims(config, seeds, result, preset=preset, apply=apply,
                                        lockstep=True),
+        "bad calls": lambda: run_sims(config, min(seeds, HOSTILE_SEEDS), result,
+                                      preset=preset, apply=apply, hostile=True),
         "copy library": lambda: run_copy(config, COPY_CASES, result),
     }
     for stage in STAGES:

@@ -19,7 +19,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -304,9 +304,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from kvcore import _check
     from kvcore.sim import SimOptions, simulate
     if args.check_options:
-        opts = _check.sim_options(args.seed)
-        if args.lockstep:
-            opts = replace(opts, policy="lru", lockstep=True)
+        opts = _check.stage_options(args.seed, lockstep=args.lockstep, hostile=args.hostile)
     else:
         calm: dict[str, Any] = {} if args.faults else {
             "fail_rate": 0.0, "delay_rate": 0.2, "abort_rate": 0.0, "reset_rate": 0.0}
@@ -314,7 +312,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             calm["policy"] = "lru"
         opts = SimOptions(seed=args.seed, requests=args.requests, context_tokens=args.context,
                           prefill_budget=args.prefill_budget, follow_up_rate=0.5,
-                          max_new_tokens=args.max_new_tokens, lockstep=args.lockstep, **calm)
+                          max_new_tokens=args.max_new_tokens, lockstep=args.lockstep,
+                          hostile=args.hostile, **calm)
     print(f"kvcore simulate: layout {name}, options {asdict(opts.drawn())}", flush=True)
     report = simulate(config, opts, check=not args.no_checks, device=args.device)
     data = report.as_dict()
@@ -400,6 +399,9 @@ def _simulate_parser(sub: Any) -> None:
     s.add_argument("--lockstep", action="store_true",
                    help="run the scheduler in lock step with the reference model (R1; LRU "
                         "tier; what `kvcore check`'s refinement stage does)")
+    s.add_argument("--hostile", action="store_true",
+                   help="make bad twins of a share of the calls, which must bounce (A1; what "
+                        "`kvcore check`'s bad-calls stage does)")
     s.add_argument("--json", help="write the report as JSON to this file")
     s.set_defaults(func=cmd_simulate)
 

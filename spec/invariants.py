@@ -31,7 +31,7 @@ class Violation:
 
 
 INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "L3", "J1", "J2",
-                 "S1", "S2", "B1", "F1", "X1", "X2", "M1", "M2", "K1", "R1")
+                 "S1", "S2", "B1", "F1", "X1", "X2", "M1", "M2", "K1", "R1", "A1")
 
 # -- records ------------------------------------------------------------------------------
 
@@ -224,6 +224,17 @@ class RefinementRecord:
     after: str
     implementation: Any
     reference: Any
+
+
+@dataclass(frozen=True)
+class BadCallRecord:
+    """One call made wrong on purpose, and what it did (A1): the class it raised (None if
+    it was accepted), whether that is a kvcore error, and whether any state changed."""
+
+    call: str
+    raised: str | None
+    kvcore_error: bool
+    changed: bool
 
 
 @dataclass(frozen=True)
@@ -623,6 +634,23 @@ def r1_refines_reference(r: RefinementRecord) -> list[Violation]:
                       f"reference {str(r.reference)[:300]}", {"after": r.after[:120]})]
 
 
+def a1_bad_call_refused(r: BadCallRecord) -> list[Violation]:
+    """A1: a bad call raises a kvcore error before anything changes.
+
+    Accepted, it corrupts the state (a block id past the pool is the copy of vllm#44780);
+    a bare builtin error halfway through leaves a half-applied step behind.
+    """
+    if r.raised is None:
+        return [Violation("A1", f"{r.call}: accepted", {"call": r.call})]
+    if not r.kvcore_error:
+        return [Violation("A1", f"{r.call}: raised {r.raised}, not a kvcore error",
+                          {"call": r.call, "raised": r.raised})]
+    if r.changed:
+        return [Violation("A1", f"{r.call}: raised {r.raised} but changed the state",
+                          {"call": r.call, "raised": r.raised})]
+    return []
+
+
 def m1_eviction_safe(r: EvictionRecord) -> list[Violation]:
     """M1: pinned or WRITING keys are never evicted; eviction is atomic.
 
@@ -748,6 +776,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     TransferOutcomeRecord: (x2_valid_plan_carried_out,),
     CopyCallRecord: (b1_copy_library_refuses, x2_copy_library_accepts),
     RefinementRecord: (r1_refines_reference,),
+    BadCallRecord: (a1_bad_call_refused,),
     EvictionRecord: (m1_eviction_safe,),
     KeyRecord: (k1_keys_distinct,),
     EvictionOrderRecord: (m2_eviction_order,),

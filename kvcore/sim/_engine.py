@@ -28,6 +28,7 @@ from kvcore.scheduler import (
 )
 from kvcore.scheduler._checks import enforce
 from kvcore.sim import _kv
+from kvcore.sim._hostile import Hostile
 from kvcore.sim._lockstep import paired
 from kvcore.sim._shadow import ShadowedManager
 from kvcore.sim._workload import PromptSource, SimOptions
@@ -114,6 +115,9 @@ class Simulator:
                 raise ValueError(f"lockstep=True needs policy='lru', got {policy!r}: the "
                                  "reference tier is LRU")
             self.scheduler = paired(self.scheduler, cfg, self.checked)  # type: ignore[assignment]
+        if opts.hostile:
+            self.scheduler = Hostile(  # type: ignore[assignment]
+                self.scheduler, random.Random(f"hostile:{opts.seed}"), self.checked)
         self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,
                                  device=device) for _ in range(opts.layers)]
                     for _ in cfg.groups]

@@ -48,6 +48,8 @@ class SimOptions:
     # Run the scheduler in lock step with the reference model (R1; LRU only, since the
     # reference tier is LRU). Slower: the reference recomputes everything on each hook.
     lockstep: bool = False
+    # Before a share of the hook calls, make a bad twin of the call that must bounce (A1).
+    hostile: bool = False
 
     def drawn(self) -> SimOptions:
         """A copy with every unset rate drawn from the seed (printed first by the CLI)."""

@@ -40,7 +40,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 from refinement._engine import Engine
-from state_snapshot import snapshot
 
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import (
@@ -50,6 +49,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
+from kvcore.sim._snapshot import snapshot
 from kvcore.spec import errors
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig

@@ -28,7 +28,6 @@ from typing import Any
 
 import pytest
 from bad_input_layout import CFG, hashes
-from state_snapshot import snapshot
 
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import (
@@ -39,6 +38,7 @@ from kvcore.scheduler import (
     WorkerReport,
 )
 from kvcore.sim._lockstep import plain
+from kvcore.sim._snapshot import snapshot
 from kvcore.spec import errors as E
 from kvcore.spec.model import ReferenceScheduler
 from kvcore.spec.types import make_key

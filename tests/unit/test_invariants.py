@@ -30,6 +30,7 @@ from kvcore.spec.invariants import (
     INVARIANT_IDS,
     PREDICATE_IDS,
     PREDICATES,
+    BadCallRecord,
     CompletionRecord,
     CopyCallRecord,
     CursorMoveRecord,
@@ -50,6 +51,7 @@ from kvcore.spec.invariants import (
     TraceEntry,
     TransferOutcomeRecord,
     Violation,
+    a1_bad_call_refused,
     b1_block_ids_in_range,
     b1_copy_library_refuses,
     check,
@@ -148,6 +150,8 @@ B1_COPY_OK = CopyCallRecord(POOLS, ((0, 0, 0, 1, 2, 0, 64),),  # reads the null 
 X2_COPY_OK = CopyCallRecord(POOLS, ((0, 1, 0, 1, 2, 0, 64), (1, 3, 0, 0, 2, 32, 32)), None,
                             changed=False, copied_ok=True)
 R1_OK = RefinementRecord("lookup('r1', 0, 40)", ("LookupResult", (32,)), ("LookupResult", (32,)))
+A1_OK = BadCallRecord("lookup: negative computed", "ArgumentRangeError", kvcore_error=True,
+                      changed=False)
 M1_OK = EvictionRecord(call_keys=(K[0], K[1]), evicted=((K[2], "ready"), (K[3], "ready")),
                        needed=2, returned_none=False, changed_state=True)
 # LRU: the two least recent evictable keys go. ARC: |T1| = 2 < int(p) = 3, so T2 gives
@@ -341,6 +345,12 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
     (r1_refines_reference, R1_OK, [
         Across("a smaller hit than the reference's",
                replace(R1_OK, implementation=("LookupResult", (16,))), "kvcore gave"),
+    ]),
+    (a1_bad_call_refused, A1_OK, [
+        Across("accepted", replace(A1_OK, raised=None, kvcore_error=False), "accepted"),
+        Across("a bare builtin", replace(A1_OK, raised="TypeError", kvcore_error=False),
+               "not a kvcore error"),
+        Across("refused after a change", replace(A1_OK, changed=True), "changed the state"),
     ]),
     (m1_eviction_safe, M1_OK, [
         Across("a pinned key evicted",

@@ -81,8 +81,8 @@ def test_each_stage_and_seed_gets_a_fresh_patch() -> None:
     result = _check.run_battery(preset("gpt-oss"), preset="gpt-oss", seeds=3, examples=2,
                                 steps=5, shrink=False, apply=counting)
     assert result.failure is None
-    # per scenario, per simulation seed, the machine, per refinement seed
-    assert len(entries) == len(SCENARIOS) + 3 + 1 + 3
+    # per scenario, per simulation seed, the machine, per refinement and bad-calls seed
+    assert len(entries) == len(SCENARIOS) + 3 + 1 + 3 + 3
 
 
 @pytest.mark.parametrize("name", sorted({n for m in MUTANTS for n in m.layouts}))

@@ -1,0 +1,202 @@
+"""Bad calls among the simulator's valid traffic (A1): ``kvcore check``'s "bad calls" stage.
+
+``Hostile`` stands between the simulator and the scheduler. Before a share of the real
+hook calls it makes one bad twin of that call, built from the real arguments with one
+thing made wrong in a way no state can excuse: an unknown or duplicate request, a
+negative or bool count, computed tokens past the end, a GPU id outside the pool or a null
+in a FULL group, an allocated id that cannot exist, a table for the wrong number of
+groups, a report from a worker that does not exist or for a job never issued, a second
+report from one worker, a hash of the wrong type or length. The twin must raise a kvcore
+argument error and leave the scheduler, its tier and the tier's policy exactly as they
+were (a deep ``snapshot``); then the real call goes through. Bounded: at most one twin
+per real call, at most ``limit`` (40) in a run.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from kvcore.scheduler import RequestInfo, ScheduledRequest, StepInput, WorkerReport
+from kvcore.scheduler._checks import enforce
+from kvcore.sim._snapshot import snapshot
+from kvcore.spec.errors import InvariantViolation, KVCoreError
+from kvcore.spec.invariants import BadCallRecord
+from kvcore.spec.types import GroupKind
+
+Twin = tuple[str, Callable[[], object]]
+
+
+class Hostile:
+    """The scheduler's hooks, each preceded now and then by a bad twin that must bounce."""
+
+    def __init__(self, impl: Any, rng: random.Random, counts: dict[str, int], *,
+                 rate: float = 0.5, limit: int = 40) -> None:
+        self.impl = impl
+        self.rng = rng
+        self.counts = counts
+        self.rate = rate
+        self.left = limit
+        cfg = impl.config
+        self.top = cfg.num_gpu_blocks
+        self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
+        self.workers = cfg.num_workers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.impl, name)
+
+    # -- the bounce ------------------------------------------------------------------------
+
+    def _bounce(self, twins: list[Twin]) -> None:
+        if not twins or self.left <= 0 or self.rng.random() >= self.rate:
+            return
+        self.left -= 1
+        name, call = self.rng.choice(twins)
+        before = snapshot(self.impl)
+        raised: BaseException | None = None
+        try:
+            call()
+        except InvariantViolation:
+            raise  # a check inside kvcore fired on the way: that is its own failure
+        except Exception as exc:  # judged by the predicate: which class, and what changed
+            raised = exc
+        changed = snapshot(self.impl) != before
+        enforce([BadCallRecord(name, type(raised).__name__ if raised else None,
+                               isinstance(raised, KVCoreError), changed)], self.counts)
+
+    def _tables(self, tables: Any, group: int, value: object) -> tuple[tuple[Any, ...], ...]:
+        out = [tuple(t) for t in tables]
+        out[group] = (value, *out[group][1:]) if out[group] else (value,)
+        return tuple(out)
+
+    # -- the hooks -------------------------------------------------------------------------
+
+    def add_request(self, info: RequestInfo) -> None:
+        s = self.impl
+        tracked = sorted(s.tracked_requests())
+        twins: list[Twin] = [
+            ("add_request: negative prompt", lambda: s.add_request(replace(info,
+                                                                            prompt_tokens=-1))),
+            ("add_request: not a RequestInfo", lambda: s.add_request(
+                (info.request_id, info.prompt_tokens))),
+        ]
+        if info.block_hashes:
+            h = info.block_hashes[0]
+            twins.append(("add_request: hash one byte longer", lambda: s.add_request(
+                replace(info, block_hashes=(h + b"\0", *info.block_hashes[1:])))))
+        if tracked:
+            twins.append(("add_request: a tracked id", lambda: s.add_request(
+                replace(info, request_id=tracked[0]))))
+        self._bounce(twins)
+        s.add_request(info)
+
+    def add_hashes(self, request_id: str, hashes: Any) -> None:
+        s = self.impl
+        twins: list[Twin] = [
+            ("add_hashes: unknown request", lambda: s.add_hashes("no-such-request", hashes)),
+            ("add_hashes: str hashes", lambda: s.add_hashes(request_id,
+                                                           [h.hex() for h in hashes])),
+        ]
+        self._bounce(twins if hashes else [])
+        s.add_hashes(request_id, hashes)
+
+    def lookup(self, request_id: str, computed: int, num_tokens: int) -> Any:
+        s = self.impl
+        self._bounce([
+            ("lookup: unknown request", lambda: s.lookup("no-such-request", computed,
+                                                        num_tokens)),
+            ("lookup: negative computed", lambda: s.lookup(request_id, -1, num_tokens)),
+            ("lookup: computed past the end", lambda: s.lookup(request_id, num_tokens + 1,
+                                                              num_tokens)),
+            ("lookup: bool tokens", lambda: s.lookup(request_id, computed, True)),
+            ("lookup: bytes id", lambda: s.lookup(request_id.encode(), computed, num_tokens)),
+        ])
+        return s.lookup(request_id, computed, num_tokens)
+
+    def after_alloc(self, request_id: str, tables: Any, valid: Any, computed: int,
+                    load_tokens: int) -> Any:
+        s = self.impl
+        twins: list[Twin] = [
+            ("after_alloc: unknown request", lambda: s.after_alloc(
+                "no-such-request", tables, valid, computed, load_tokens)),
+            ("after_alloc: negative load", lambda: s.after_alloc(
+                request_id, tables, valid, computed, -1)),
+            ("after_alloc: load is not the hit", lambda: s.after_alloc(
+                request_id, tables, valid, computed, load_tokens + 10**6)),
+            ("after_alloc: one table too many", lambda: s.after_alloc(
+                request_id, (*tables, tables[0]), (*valid, 0), computed, load_tokens)),
+            ("after_alloc: id past the pool", lambda: s.after_alloc(
+                request_id, self._tables(tables, 0, self.top), valid, computed, load_tokens)),
+            ("after_alloc: bool id", lambda: s.after_alloc(
+                request_id, self._tables(tables, 0, True), valid, computed, load_tokens)),
+        ]
+        if self.full:
+            twins.append(("after_alloc: null in a FULL group", lambda: s.after_alloc(
+                request_id, self._tables(tables, self.full[0], 0), valid, computed,
+                load_tokens)))
+        self._bounce(twins)
+        return s.after_alloc(request_id, tables, valid, computed, load_tokens)
+
+    def build_step(self, step: StepInput) -> Any:
+        self._bounce(self._step_twins(step))
+        return self.impl.build_step(step)
+
+    def _step_twins(self, step: StepInput) -> list[Twin]:
+        s, reqs = self.impl, step.requests
+        twins: list[Twin] = [
+            ("build_step: allocated id 0", lambda: s.build_step(
+                replace(step, allocated_ids=step.allocated_ids | {0}))),
+            ("build_step: allocated id past the pool", lambda: s.build_step(
+                replace(step, allocated_ids=step.allocated_ids | {self.top}))),
+            ("build_step: unknown preempted", lambda: s.build_step(
+                replace(step, preempted=(*step.preempted, "no-such-request")))),
+            ("build_step: unknown request", lambda: s.build_step(replace(step, requests=(
+                *reqs, ScheduledRequest("no-such-request", 1, 0, 1)))))]
+        if reqs:
+            first = reqs[0]
+            twins.append(("build_step: one request twice", lambda: s.build_step(
+                replace(step, requests=(*reqs, first)))))
+            twins.append(("build_step: scheduled past the end", lambda: s.build_step(
+                replace(step, requests=(replace(first, computed_tokens=first.num_tokens + 1),
+                                        *reqs[1:])))))
+            ids = first.new_block_ids
+            if ids and any(ids):
+                g = next(i for i, t in enumerate(ids) if t)
+                twins.append(("build_step: new id past the pool", lambda: s.build_step(
+                    replace(step, requests=(replace(first, new_block_ids=self._tables(
+                        ids, g, self.top)), *reqs[1:])))))
+                twins.append(("build_step: tables for one group too many", lambda: s.build_step(
+                    replace(step, requests=(replace(first, new_block_ids=(*ids, ids[g])),
+                                            *reqs[1:])))))
+        return twins
+
+    def worker_output(self, reports: Any) -> Any:
+        s, reports = self.impl, list(reports)
+        twins: list[Twin] = [
+            ("worker_output: a job never issued", lambda: s.worker_output(
+                [*reports, WorkerReport(0, 2**40)])),
+            ("worker_output: not a list", lambda: s.worker_output(5)),
+        ]
+        live = {j for rid in s.tracked_requests() for j in s.jobs_of(rid)}
+        mine = [r for r in reports if r.job_id in live]  # reports for reset jobs are ignored
+        if mine:
+            r = mine[0]
+            twins += [
+                ("worker_output: a worker that does not exist", lambda: s.worker_output(
+                    [*reports, replace(r, worker=self.workers)])),
+                ("worker_output: the same report twice", lambda: s.worker_output(
+                    [*reports, r])),
+            ]
+        self._bounce(twins)
+        return s.worker_output(reports)
+
+    def request_finished(self, request_id: str) -> None:
+        s = self.impl
+        self._bounce([("request_finished: unknown request",
+                       lambda: s.request_finished("no-such-request"))])
+        s.request_finished(request_id)
+
+    def reset(self) -> Any:
+        return self.impl.reset()
