@@ -33,7 +33,7 @@ from kvcore.sim import IntegrityError, SimOptions, Simulator
 from kvcore.sim._machine import make_machine
 from kvcore.spec.errors import InvariantViolation, KVCopyError
 from kvcore.spec.invariants import INVARIANT_IDS
-from kvcore.spec.types import OffloadConfig
+from kvcore.spec.types import GroupKind, OffloadConfig
 from kvcore.zoo import MUTANTS, Mutant, layout
 
 Progress = Callable[[str], None]
@@ -137,11 +137,26 @@ def sim_options(seed: int, context: int = 400) -> SimOptions:
                       prefill_budget=160, **base)
 
 
-def stage_options(seed: int, *, lockstep: bool = False, hostile: bool = False) -> SimOptions:
+# The simulations' prompts: long enough that every window binds (twice its reach plus a
+# chunk), at least 400 tokens and at most 4096 (the cost grows with the context).
+MIN_CONTEXT, MAX_CONTEXT = 400, 4096
+
+
+def check_context(config: OffloadConfig) -> int:
+    """Prompt length for the layout: a window longer than every prompt acts as FULL, so
+    its rules would never be exercised."""
+    reach = max((g.window_tokens + g.extra_retained_tokens for g in config.groups
+                 if g.kind is GroupKind.SLIDING and g.window_tokens), default=0)
+    chunk = max(g.tokens_per_chunk for g in config.groups)
+    return max(MIN_CONTEXT, min(MAX_CONTEXT, 2 * reach + chunk))
+
+
+def stage_options(seed: int, config: OffloadConfig | None = None, *, lockstep: bool = False,
+                  hostile: bool = False) -> SimOptions:
     """Seed ``seed``'s options in the simulations (neither flag), refinement (``lockstep``:
     the LRU tier, R1) or bad-calls stage (``hostile``: a small tier and pool, since each
-    bad call snapshots the whole state twice)."""
-    opts = sim_options(seed)
+    bad call snapshots the whole state twice), with prompts sized to ``config``."""
+    opts = sim_options(seed, check_context(config) if config is not None else MIN_CONTEXT)
     if lockstep:
         opts = replace(opts, policy="lru", lockstep=True)
     if hostile:
@@ -160,7 +175,7 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
     """
     stage = "refinement" if lockstep else "bad calls" if hostile else "simulations"
     for seed in range(seeds):
-        opts = stage_options(seed, lockstep=lockstep, hostile=hostile)
+        opts = stage_options(seed, config, lockstep=lockstep, hostile=hostile)
         with apply() as factory:
             sim = Simulator(config, opts, check=True, scheduler_factory=factory)
             try:
@@ -233,7 +248,7 @@ def run_directed(config: OffloadConfig, result: BatteryResult, *, preset: str = 
                 return
 
 
-def run_copy(config: OffloadConfig, cases: int, result: BatteryResult) -> None:
+def run_copy(config: OffloadConfig, cases: int, result: BatteryResult, preset: str) -> None:
     """The C library against seeded hostile tables (``kvcore._copycheck``)."""
     from kvcore._copycheck import run_copy_library
 
@@ -242,8 +257,9 @@ def run_copy(config: OffloadConfig, cases: int, result: BatteryResult) -> None:
     except Exception as exc:  # every failure is reported, whatever its type
         kind, ids = classify(exc)
         result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                 "python -c 'from kvcore._copycheck import *; from kvcore.zoo "
-                                 f"import layout; run_copy_library(layout(...), {cases}, {{}})'",
+                                 "python -c 'from kvcore._copycheck import run_copy_library; "
+                                 "from kvcore.zoo import layout; run_copy_library(layout("
+                                 f"{preset!r}), {cases}, {{}})'",
                                  "copy library", "0")
 
 
@@ -269,7 +285,7 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
                                        lockstep=True),
         "bad calls": lambda: run_sims(config, min(seeds, HOSTILE_SEEDS), result,
                                       preset=preset, apply=apply, hostile=True),
-        "copy library": lambda: run_copy(config, COPY_CASES, result),
+        "copy library": lambda: run_copy(config, COPY_CASES, result, preset),
     }
     for stage in STAGES:
         t0 = time.perf_counter()

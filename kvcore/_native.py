@@ -124,9 +124,11 @@ def make_error(rec: ErrorRecord, *, num_descs: int, context: str = "",
         tail = f"; CUDA error {rec.value}; copies before this descriptor may have been enqueued."
     else:
         tail = "; no bytes were copied."
-    index = rec.index if rec.side != Side.REGION else None
-    return KVCopyError(head + tail, code=rec.status, descriptor_index=index, job_id=job_id,
-                       group=group, value=rec.value, bound=rec.bound)
+    region = rec.side == Side.REGION
+    return KVCopyError(head + tail, code=rec.status,
+                       descriptor_index=None if region else rec.index, job_id=job_id,
+                       group=group, value=rec.value, bound=rec.bound, side=rec.side,
+                       region_index=rec.index if region else None)
 
 
 def raise_for_status(status: int, err: Any, *, num_descs: int, context: str = "",

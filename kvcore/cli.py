@@ -304,7 +304,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from kvcore import _check
     from kvcore.sim import SimOptions, simulate
     if args.check_options:
-        opts = _check.stage_options(args.seed, lockstep=args.lockstep, hostile=args.hostile)
+        opts = _check.stage_options(args.seed, config, lockstep=args.lockstep,
+                                    hostile=args.hostile)
     else:
         calm: dict[str, Any] = {} if args.faults else {
             "fail_rate": 0.0, "delay_rate": 0.2, "abort_rate": 0.0, "reset_rate": 0.0}

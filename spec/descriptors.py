@@ -87,9 +87,30 @@ class RegionShape(Protocol):
     def flags(self) -> int: ...
 
 
-def first_violation(regions: Sequence[RegionShape], descs: Sequence[Sequence[int]]
-                    ) -> Verdict | None:
-    """The first region, then the first descriptor, that breaks a per-item rule."""
+MAX_REGIONS = 65536
+MAX_DESCRIPTORS = 16777216
+COPY_FLAGS = 1 | 2 | 4  # KVC_COPY_PLAIN | KVC_COPY_STREAM | KVC_COPY_NO_STREAM
+
+
+def call_violation(num_regions: int, num_descs: int, flags: int = 0) -> Verdict | None:
+    """What is wrong with a call before any table is read: unknown copy flags, then too
+    many regions or descriptors."""
+    if flags & ~COPY_FLAGS:
+        return (Status.E_FLAGS, 0, Side.NONE, _clamp(flags), COPY_FLAGS)
+    if num_regions > MAX_REGIONS:
+        return (Status.E_LIMIT, 0, Side.REGION, _clamp(num_regions), MAX_REGIONS)
+    if num_descs > MAX_DESCRIPTORS:
+        return (Status.E_LIMIT, 0, Side.NONE, _clamp(num_descs), MAX_DESCRIPTORS)
+    return None
+
+
+def first_violation(regions: Sequence[RegionShape], descs: Sequence[Sequence[int]],
+                    flags: int = 0) -> Verdict | None:
+    """The call's flags and sizes, then the first region, then the first descriptor that
+    breaks a per-item rule."""
+    call = call_violation(len(regions), len(descs), flags)
+    if call:
+        return call
     for i, r in enumerate(regions):
         bad = _region_violation(r)
         if bad:
@@ -169,8 +190,9 @@ def cross_violations(regions: Sequence[RegionShape], descs: Sequence[Sequence[in
     """For a table every descriptor of which is valid: the cross-descriptor rule it breaks.
 
     Returns the status and every (index, value) pair the C library may report: two
-    destinations sharing a byte as (later, earlier), else a source sharing a byte with
-    another descriptor's destination as (reader, writer).
+    destinations sharing a byte as (later, earlier) on the destination side, else a source
+    sharing a byte with another descriptor's destination as (reader, writer) on the source
+    side (``CROSS_SIDE``).
     """
     spans = [(address(regions, d[0], d[1], d[2]), address(regions, d[3], d[4], d[5]), d[6])
              for d in descs]
@@ -185,6 +207,9 @@ def cross_violations(regions: Sequence[RegionShape], descs: Sequence[Sequence[in
     reads = {(i, j) for i in range(len(spans)) for j in range(len(spans))
              if i != j and meet(spans[i][0], spans[j][1], spans[i][2], spans[j][2])}
     return (Status.E_READS_WRITTEN, reads) if reads else None
+
+
+CROSS_SIDE: dict[int, int] = {Status.E_DST_OVERLAP: Side.DST, Status.E_READS_WRITTEN: Side.SRC}
 
 
 def sequential_copy(memory: bytearray, origin: int, regions: Sequence[RegionShape],

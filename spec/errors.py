@@ -42,7 +42,8 @@ class KVCopyError(KVCoreError, RuntimeError):
     The copy library validates every descriptor before the first byte moves (invariant B1),
     so this error always means "nothing was copied". ``descriptor_index`` is the first bad
     descriptor, ``code`` the native status code, ``value`` and ``bound`` the offending number
-    and the limit it broke (when known).
+    and the limit it broke (when known). ``side`` says which side of the descriptor (1
+    source, 2 destination) or 3 for a region, whose index is then ``region_index``.
     """
 
     def __init__(
@@ -55,6 +56,8 @@ class KVCopyError(KVCoreError, RuntimeError):
         group: int | None = None,
         value: int | None = None,
         bound: int | None = None,
+        side: int | None = None,
+        region_index: int | None = None,
     ) -> None:
         self.code = code
         self.descriptor_index = descriptor_index
@@ -62,6 +65,8 @@ class KVCopyError(KVCoreError, RuntimeError):
         self.group = group
         self.value = value
         self.bound = bound
+        self.side = side
+        self.region_index = region_index
         super().__init__(message)
 
 

@@ -14,7 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.spec.descriptors import RegionShape, Side, cross_violations, first_violation
+from kvcore.spec.descriptors import (
+    CROSS_SIDE,
+    RegionShape,
+    cross_violations,
+    first_violation,
+)
 from kvcore.spec.descriptors import Status as CopyStatus
 from kvcore.spec.lookup import HitMap, read_at_segment_end, served_chunks, spec_hit
 from kvcore.spec.plans import JobKind, TransferPlan, chunks_spanned
@@ -203,17 +208,18 @@ class TransferOutcomeRecord:
 class CopyCallRecord:
     """One call into the C copy library and what it did (B1 and X2 at the byte level).
 
-    ``error`` is the refusal as (status, descriptor index or None for a region, value,
-    bound), None if the call succeeded; ``changed`` whether any byte outside what the
-    reference copy writes changed, ``copied_ok`` whether the memory equals the reference
-    copy afterwards (meaningful for an accepted call).
+    ``error`` is the refusal as (status, index, side, value, bound), the index being the
+    region's for side 3 (region) and the descriptor's otherwise; None if the call
+    succeeded. ``changed``: a refused call changed some byte of the memory it was given;
+    ``copied_ok``: after an accepted call the memory equals the reference copy.
     """
 
     regions: tuple[RegionShape, ...]
     descs: tuple[tuple[int, ...], ...]
-    error: tuple[int, int | None, int, int] | None
+    error: tuple[int, int, int, int, int] | None
     changed: bool
     copied_ok: bool
+    flags: int = 0
 
 
 @dataclass(frozen=True)
@@ -574,13 +580,13 @@ def x2_valid_plan_carried_out(r: TransferOutcomeRecord) -> list[Violation]:
 
 
 def b1_copy_library_refuses(r: CopyCallRecord) -> list[Violation]:
-    """B1: the copy library refuses every table ``spec.descriptors`` forbids, with its code
-    and offending values, before any byte moves.
+    """B1: the copy library refuses every table ``spec.descriptors`` forbids, with its code,
+    index, side and offending values, before any byte moves.
 
-    A bad table the library accepts is the out-of-bounds copy of vllm#44780; a wrong code
-    sends the engineer to the wrong field.
+    A bad table the library accepts is the out-of-bounds copy of vllm#44780; a wrong code,
+    index or side sends the engineer to the wrong field.
     """
-    expected = first_violation(r.regions, r.descs)
+    expected = first_violation(r.regions, r.descs, r.flags)
     cross = cross_violations(r.regions, r.descs) if expected is None else None
     if expected is None and cross is None:
         return []
@@ -592,15 +598,14 @@ def b1_copy_library_refuses(r: CopyCallRecord) -> list[Violation]:
     if r.changed:
         return [Violation("B1", "a refused call changed bytes", {"status": got[0]})]
     if expected is not None:
-        status, index, side, value, bound = expected
-        want_index = None if side == Side.REGION else index
-        if (got[0], got[1], got[2], got[3]) != (status, want_index, value, bound):
-            return [Violation("B1", f"refused with {got}, the rule says "
-                              f"{(CopyStatus(status).name, want_index, value, bound)}",
-                              {"got": got, "want": (status, want_index, value, bound)})]
+        if tuple(got) != tuple(expected):
+            return [Violation("B1", f"refused with {got}, the rule says {expected} "
+                              f"({CopyStatus(expected[0]).name})",
+                              {"got": got, "want": expected})]
         return []
     code, pairs = cross  # type: ignore[misc]
-    if got[0] != code or (got[1], got[2]) not in pairs or got[3] != 0:
+    if got[0] != code or (got[1], got[3]) not in pairs or got[2] != CROSS_SIDE[code] \
+            or got[4] != 0:
         return [Violation("B1", f"refused with {got}, the rule says {CopyStatus(code).name} "
                           f"at one of {sorted(pairs)[:4]}", {"got": got})]
     return []
@@ -609,7 +614,7 @@ def b1_copy_library_refuses(r: CopyCallRecord) -> list[Violation]:
 def x2_copy_library_accepts(r: CopyCallRecord) -> list[Violation]:
     """X2: the copy library carries out every table ``spec.descriptors`` allows, byte for
     byte as one memcpy per descriptor in order."""
-    if first_violation(r.regions, r.descs) is not None or \
+    if first_violation(r.regions, r.descs, r.flags) is not None or \
             cross_violations(r.regions, r.descs) is not None:
         return []
     if r.error is not None:

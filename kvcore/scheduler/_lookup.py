@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvcore.scheduler._rules import lookup_limit, needed_chunks
+from kvcore.scheduler._rules import lookup_limit, needed_chunks, window_reach, window_span
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import TraceEntry, Violation
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, cdiv
@@ -54,8 +54,8 @@ def reach_chunks(g: GroupSpec) -> int:
     """Chunks a window group needs ending at an aligned boundary (before the draft extra)."""
     if g.kind is GroupKind.MAMBA:
         return 1
-    window = g.window_chunks or 1
-    return max(window, cdiv(g.reach_tokens, g.tokens_per_chunk))
+    span = window_span(g) if g.kind is GroupKind.SLIDING else 1
+    return max(span, cdiv(window_reach(g), g.tokens_per_chunk))
 
 
 def _needs_reverify(g: GroupSpec) -> bool:

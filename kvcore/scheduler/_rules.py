@@ -34,6 +34,28 @@ from kvcore.spec.types import (
 )
 
 # -- lookup ranges ----------------------------------------------------------------------
+# The window sizes are derived here from the config's fields, not read from the spec's
+# derived properties, so a slip in one of those is a difference the lock step can see.
+
+def window_reach(g: GroupSpec) -> int:
+    """Tokens before a boundary that a window group's state there still depends on: its
+    window less the boundary token itself, plus what the engine retains beyond it."""
+    return (g.window_tokens or 0) - 1 + g.extra_retained_tokens
+
+
+def window_span(g: GroupSpec) -> int:
+    """Whole chunks a SLIDING window covers at a chunk-aligned boundary."""
+    assert_int(g.window_tokens)
+    return -(-g.window_tokens // g.tokens_per_chunk)  # type: ignore[operator]
+
+
+def mamba_chunk(cfg: OffloadConfig) -> int | None:
+    """The Mamba groups' chunk (config validation makes them share one), or None."""
+    for g in cfg.groups:
+        if g.kind is GroupKind.MAMBA:
+            return g.tokens_per_chunk
+    return None
+
 
 def lookup_limit(cfg: OffloadConfig, num_tokens: int) -> int:
     """The largest boundary a lookup may return.
@@ -44,14 +66,12 @@ def lookup_limit(cfg: OffloadConfig, num_tokens: int) -> int:
     Written in tokens here; the reference (``spec.lookup``) states the same rule its own way.
     """
     top = num_tokens
-    mamba_chunk = 0
     for g in cfg.groups:
         if g.kind is not GroupKind.FULL:
             top = num_tokens - 1
-        if g.kind is GroupKind.MAMBA:
-            mamba_chunk = g.tokens_per_chunk
-    if mamba_chunk:
-        top = top // mamba_chunk * mamba_chunk
+    mamba = mamba_chunk(cfg)
+    if mamba:
+        top = top // mamba * mamba
     return top if top > 0 else 0
 
 
@@ -59,8 +79,8 @@ def needed_chunks(g: GroupSpec, boundary: int, computed: int) -> tuple[int, int]
     """``[lo, hi)``: the chunks group ``g`` must hit to support ``boundary``; None if it cannot.
 
     Derived from the first token the group's state at ``boundary`` depends on: FULL needs
-    everything not already computed; SLIDING the last ``reach_tokens`` tokens, and at least
-    the ``window_chunks`` chunks up to the boundary's; MAMBA the one chunk ending exactly at
+    everything not already computed; SLIDING the last ``window_reach`` tokens, and at least
+    the ``window_span`` chunks up to the boundary's; MAMBA the one chunk ending exactly at
     the boundary (None off a chunk end). A draft group also needs one chunk past the end.
     """
     o = g.tokens_per_chunk
@@ -72,9 +92,7 @@ def needed_chunks(g: GroupSpec, boundary: int, computed: int) -> tuple[int, int]
             return None
         first_token = boundary - o
     else:
-        window = g.window_chunks
-        assert_int(window)
-        first_token = min((end - window) * o, boundary - g.reach_tokens)  # type: ignore[operator]
+        first_token = min((end - window_span(g)) * o, boundary - window_reach(g))
     lo = max(first_token, computed) // o
     return lo, end + (1 if g.is_draft else 0)
 
@@ -183,11 +201,11 @@ def _keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None
         return None
     (a_tokens,) = full_sizes
     o = g.tokens_per_chunk
-    mamba = cfg.mamba_align_tokens
+    mamba = mamba_chunk(cfg)
     if a_tokens <= o or a_tokens % o != 0 or (mamba is not None and a_tokens % mamba):
         return None
     a = a_tokens // o
-    k = cdiv(g.reach_tokens, a_tokens) + 2
+    k = cdiv(window_reach(g), a_tokens) + 2
     ends = [k * a_tokens - 1, k * a_tokens]
     if mamba is not None:
         # Under the N - 1 limit, Mamba rounds the boundary down to its own chunk end.

@@ -9,7 +9,7 @@ groups, a report from a worker that does not exist or for a job never issued, a 
 report from one worker, a hash of the wrong type or length. The twin must raise a kvcore
 argument error and leave the scheduler, its tier and the tier's policy exactly as they
 were (a deep ``snapshot``); then the real call goes through. Bounded: at most one twin
-per real call, at most ``limit`` (40) in a run.
+per real call, about three in ten calls, at most ``limit`` (60) in a run.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Hostile:
     """The scheduler's hooks, each preceded now and then by a bad twin that must bounce."""
 
     def __init__(self, impl: Any, rng: random.Random, counts: dict[str, int], *,
-                 rate: float = 0.5, limit: int = 40) -> None:
+                 rate: float = 0.3, limit: int = 60) -> None:
         self.impl = impl
         self.rng = rng
         self.counts = counts
@@ -158,9 +158,6 @@ class Hostile:
             first = reqs[0]
             twins.append(("build_step: one request twice", lambda: s.build_step(
                 replace(step, requests=(*reqs, first)))))
-            twins.append(("build_step: scheduled past the end", lambda: s.build_step(
-                replace(step, requests=(replace(first, computed_tokens=first.num_tokens + 1),
-                                        *reqs[1:])))))
             ids = first.new_block_ids
             if ids and any(ids):
                 g = next(i for i, t in enumerate(ids) if t)

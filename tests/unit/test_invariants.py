@@ -146,7 +146,8 @@ X2_OK = TransferOutcomeRecord(job_id=7, planned_bytes=4096, success=True, moved_
 # Two pools of 4 rows of 64 bytes; the first refuses row 0 (the null block).
 POOLS = (Region(4096, 256, 64, 64, 4, 1), Region(8192, 256, 64, 64, 4, 0))
 B1_COPY_OK = CopyCallRecord(POOLS, ((0, 0, 0, 1, 2, 0, 64),),  # reads the null row
-                            (CopyStatus.E_NULL_ROW, 0, 0, 1), changed=False, copied_ok=False)
+                            (CopyStatus.E_NULL_ROW, 0, 1, 0, 1), changed=False,
+                            copied_ok=False)
 X2_COPY_OK = CopyCallRecord(POOLS, ((0, 1, 0, 1, 2, 0, 64), (1, 3, 0, 0, 2, 32, 32)), None,
                             changed=False, copied_ok=True)
 R1_OK = RefinementRecord("lookup('r1', 0, 40)", ("LookupResult", (32,)), ("LookupResult", (32,)))
@@ -329,7 +330,10 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
     (b1_copy_library_refuses, B1_COPY_OK, [
         Across("a bad table accepted", replace(B1_COPY_OK, error=None), "accepted a table"),
         Across("refused with another code",
-               replace(B1_COPY_OK, error=(CopyStatus.E_ROW_RANGE, 0, 0, 4)), "the rule says"),
+               replace(B1_COPY_OK, error=(CopyStatus.E_ROW_RANGE, 0, 1, 0, 4)),
+               "the rule says"),
+        Across("refused, but on the wrong side",
+               replace(B1_COPY_OK, error=(CopyStatus.E_NULL_ROW, 0, 2, 0, 1)), "the rule says"),
         Across("refused, but bytes changed", replace(B1_COPY_OK, changed=True),
                "changed bytes"),
         Across("two destinations meet, accepted",
@@ -338,7 +342,7 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
     ]),
     (x2_copy_library_accepts, X2_COPY_OK, [
         Across("a valid table refused",
-               replace(X2_COPY_OK, error=(CopyStatus.E_SIZE, 0, 64, 63), copied_ok=False),
+               replace(X2_COPY_OK, error=(CopyStatus.E_SIZE, 0, 1, 64, 63), copied_ok=False),
                "refused a valid table"),
         Across("accepted, wrong bytes", replace(X2_COPY_OK, copied_ok=False), "other bytes"),
     ]),
