@@ -1,10 +1,8 @@
 """TransferEngine: the scheduler's load and store jobs, executed as validated block copies.
 
-Jobs are copied by one background worker thread, in submission order; a second thread
-checks the next jobs and builds their tables meanwhile, so back-to-back jobs overlap their
-Python half with the previous copy. On the C path the copy releases the GIL; on the CUDA
-path the worker enqueues on its own stream, after the submitter's current stream, and
-waits on an event. ``wait()`` is how the scheduler's fence
+Jobs run on one background worker thread, in submission order. On the C path the copy
+releases the GIL; on the CUDA path the worker enqueues on its own stream, after the
+submitter's current stream, and waits on an event. ``wait()`` is how the scheduler's fence
 and preemption flushes make sure a source block is no longer read.
 """
 
@@ -47,25 +45,6 @@ class TransferResult:
     error: str | None = None
 
 
-PREPARED_AHEAD = 2  # jobs checked and tabled while the worker copies (bounded memory)
-
-
-def _failed(job_id: int, exc: Exception, start: float) -> TransferResult:
-    """A failed result for an exception raised while checking or copying a job."""
-    text = str(exc) if isinstance(exc, KVCopyError) else f"{type(exc).__name__}: {exc}"
-    return TransferResult(job_id, False, 0, time.perf_counter() - start, text)
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """A job between the two stages: its table (or the failure its checks raised)."""
-
-    plan: TransferPlan
-    job: _Job | TransferResult
-    ready: object
-    start: float
-
-
 class TransferEngine:
     """Moves KV blocks between the engine's GPU tensors and a CPU tier of chunk slots.
 
@@ -88,8 +67,7 @@ class TransferEngine:
     (``drain()``) before freeing, then ``rebind_gpu_tensors()`` with the new tensors.
 
     Thread use: ``submit``/``poll``/``wait``/``drain``/``close`` may be called from any
-    thread; one worker thread copies jobs in submission order while a second one checks and
-    tables the next ``PREPARED_AHEAD`` of them.
+    thread; one worker thread executes jobs in submission order.
     """
 
     def __init__(self, config: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
@@ -118,12 +96,8 @@ class TransferEngine:
         self._closed = False
         self._queue: queue.Queue[tuple[TransferPlan, object] | None] = queue.Queue(
             maxsize=max_queued_jobs)
-        self._prepared: queue.Queue[_Prepared | None] = queue.Queue(maxsize=PREPARED_AHEAD)
-        self._preparer = threading.Thread(target=self._prepare_stage,
-                                          name="kvcore-transfer-prepare", daemon=True)
         self._thread = threading.Thread(target=self._worker, name="kvcore-transfer",
                                         daemon=True)
-        self._preparer.start()
         self._thread.start()
 
     # -- registration --------------------------------------------------------------------
@@ -280,31 +254,13 @@ class TransferEngine:
         """Wait for every job in flight (before freeing or resizing a registered pool)."""
         return self.wait(self.in_flight(), timeout)
 
-    def _prepare_stage(self) -> None:
-        """Check each queued plan and build its table while the worker copies the last one.
-
-        The Python half of a job (``prepare_plan``) holds the GIL and the copy releases it,
-        so the two overlap; at most ``PREPARED_AHEAD`` jobs wait prepared. A plan that fails
-        its checks travels on as a failed result, so results keep submission order.
-        """
+    def _worker(self) -> None:
         try:
             while (item := self._queue.get()) is not None:
                 plan, ready = item
-                start = time.perf_counter()
-                try:
-                    job: _Job | TransferResult = self._prepare(plan)
-                except Exception as exc:  # a bad plan is a failed job, never a crash
-                    job = _failed(plan.job_id, exc, start)
-                self._prepared.put(_Prepared(plan, job, ready, start))
-        finally:  # the worker stops after the jobs already prepared
-            self._prepared.put(None)
-
-    def _worker(self) -> None:
-        try:
-            while (item := self._prepared.get()) is not None:
-                result = self._execute(item)
+                result = self._execute(plan, ready)
                 with self._cond:
-                    self._pending.discard(item.plan.job_id)
+                    self._pending.discard(plan.job_id)
                     self._done.append(result)
                     self._cond.notify_all()
         finally:  # never leave a waiter hanging, even if the worker dies
@@ -315,12 +271,11 @@ class TransferEngine:
                 self._pending.clear()
                 self._cond.notify_all()
 
-    def _execute(self, item: _Prepared) -> TransferResult:
-        """Copy one prepared job; every failure becomes a failed result (zero bytes moved)."""
-        plan, job = item.plan, item.job
-        if isinstance(job, TransferResult):
-            return job
+    def _execute(self, plan: TransferPlan, ready: object) -> TransferResult:
+        """Run one job; every failure becomes a failed result (zero bytes moved)."""
+        start = time.perf_counter()
         try:
+            job = self._prepare(plan)
             failure = self._storage_error(plan)  # the last look before C reads the pools
             if failure is not None:
                 raise failure
@@ -328,10 +283,11 @@ class TransferEngine:
                 _native.copy(self._regions, job.table, context=job.context, roles=job.roles,
                              job_id=plan.job_id, group_of=job.group_of)
             else:
-                self._copy_cuda(job, item.ready, plan.job_id)
+                self._copy_cuda(job, ready, plan.job_id)
         except Exception as exc:  # KVCopyError, argument errors, CUDA failures: all failures
-            return _failed(plan.job_id, exc, item.start)
-        return TransferResult(plan.job_id, True, job.nbytes, time.perf_counter() - item.start)
+            text = str(exc) if isinstance(exc, KVCopyError) else f"{type(exc).__name__}: {exc}"
+            return TransferResult(plan.job_id, False, 0, time.perf_counter() - start, text)
+        return TransferResult(plan.job_id, True, job.nbytes, time.perf_counter() - start)
 
     def _copy_cuda(self, job: _Job, ready: object, job_id: int) -> None:
         """Enqueue on the engine's stream after ``ready``, then wait on an event."""
@@ -351,7 +307,6 @@ class TransferEngine:
                 return
             self._closed = True
         self._queue.put(None)
-        self._preparer.join()
         self._thread.join()
         if self._cuda is not None:
             self._cuda.event_destroy(self._event)
