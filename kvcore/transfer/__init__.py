@@ -26,9 +26,10 @@ from __future__ import annotations
 
 from kvcore._cuda import cuda_available, cuda_unavailable_reason
 
-from ._engine import TransferEngine, TransferResult
+from ._engine import TransferEngine
 from ._memory import CPU_BUFFER_ALIGNMENT
 from ._plans import MAX_IDS_PER_GROUP, MAX_JOB_ID, short_repr
+from ._results import TransferResult
 from ._setup import MAX_QUEUED_JOBS, MAX_QUEUED_JOBS_LIMIT, cpu_capacity
 
 __all__ = ["CPU_BUFFER_ALIGNMENT", "MAX_IDS_PER_GROUP", "MAX_JOB_ID", "MAX_QUEUED_JOBS",

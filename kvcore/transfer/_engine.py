@@ -2,8 +2,11 @@
 
 Jobs run on one background worker thread, in submission order. On the C path the copy
 releases the GIL; on the CUDA path the worker enqueues on its own stream, after the
-submitter's current stream, and waits on an event. ``wait()`` is how the scheduler's fence
-and preemption flushes make sure a source block is no longer read.
+submitter's current stream, records an event and goes on with the next job: up to
+``MAX_IN_FLIGHT`` jobs are queued on the stream at once (the GPU copies them back to back
+while the worker checks the next plans), and each finishes when its event has.
+``wait()`` is how the scheduler's fence and preemption flushes make sure a source block is
+no longer read.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -25,24 +29,8 @@ from kvcore.spec.types import OffloadConfig
 from . import _setup
 from ._memory import _bad, _check_disjoint, _Registered
 from ._plans import _Job, _kv_error, check_plan, prepare_plan, short_repr
+from ._results import MAX_IN_FLIGHT, TransferResult, _failed, _Flight
 from ._setup import MAX_QUEUED_JOBS, _check_options
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """A finished job: success or failure, the payload bytes moved, and how long it took.
-
-    A failed job reports ``bytes == 0`` and ``error`` says why; the scheduler must treat it
-    as failed (a failed store removes its keys, a failed load is recomputed). Validation
-    failures moved no byte at all; only a CUDA driver error after enqueueing began (its
-    message says so) can leave some destination blocks written, which failure covers too.
-    """
-
-    job_id: int
-    success: bool
-    bytes: int
-    seconds: float
-    error: str | None = None
 
 
 class TransferEngine:
@@ -67,7 +55,8 @@ class TransferEngine:
     (``drain()``) before freeing, then ``rebind_gpu_tensors()`` with the new tensors.
 
     Thread use: ``submit``/``poll``/``wait``/``drain``/``close`` may be called from any
-    thread; one worker thread executes jobs in submission order.
+    thread; one worker thread executes jobs in submission order (on CUDA, up to
+    ``MAX_IN_FLIGHT`` of them queued on its stream at once).
     """
 
     def __init__(self, config: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
@@ -150,7 +139,8 @@ class TransferEngine:
         self._cuda = _cuda.CudaCopier(index)
         self._torch_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         self._stream = int(self._torch_stream.cuda_stream)
-        self._event = self._cuda.event_create()
+        self._free_events = [self._cuda.event_create() for _ in range(MAX_IN_FLIGHT)]
+        self._events = tuple(self._free_events)
 
     # -- plans -----------------------------------------------------------------------------
 
@@ -220,7 +210,7 @@ class TransferEngine:
                 return
             self._pending.add(plan.job_id)
         ready: object = None
-        if self._cuda is not None:  # the copy must follow work already queued on the GPU
+        if self.device.type == "cuda":  # the copy must follow work already queued on the GPU
             ready = torch.cuda.current_stream(self.device).record_event()
         self._queue.put((plan, ready))
 
@@ -255,14 +245,13 @@ class TransferEngine:
         return self.wait(self.in_flight(), timeout)
 
     def _worker(self) -> None:
+        flight: deque[_Flight] = deque()  # started, not reported, in submission order
         try:
-            while (item := self._queue.get()) is not None:
-                plan, ready = item
-                result = self._execute(plan, ready)
-                with self._cond:
-                    self._pending.discard(plan.job_id)
-                    self._done.append(result)
-                    self._cond.notify_all()
+            while (item := self._next(flight)) is not None:
+                flight.append(self._execute(*item))
+                self._retire(flight, block=len(flight) >= MAX_IN_FLIGHT)
+            while flight:
+                self._retire(flight, block=True)
         finally:  # never leave a waiter hanging, even if the worker dies
             with self._cond:
                 for job_id in sorted(self._pending):
@@ -271,8 +260,45 @@ class TransferEngine:
                 self._pending.clear()
                 self._cond.notify_all()
 
-    def _execute(self, plan: TransferPlan, ready: object) -> TransferResult:
-        """Run one job; every failure becomes a failed result (zero bytes moved)."""
+    def _next(self, flight: deque[_Flight]) -> tuple[TransferPlan, object] | None:
+        """The next queued job; while jobs are on the GPU, wait for the oldest instead of
+        blocking on an empty queue, so a finished copy is reported without a new submit."""
+        while flight:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                self._retire(flight, block=True)
+        return self._queue.get()
+
+    def _retire(self, flight: deque[_Flight], block: bool) -> None:
+        """Report the finished jobs at the head of ``flight``, in order; with ``block``,
+        wait for the oldest first. Events on one stream complete in order."""
+        while flight:
+            head = flight[0]
+            if head.event is not None:
+                try:
+                    if not block and not self._gpu().event_done(head.event):
+                        return
+                    self._gpu().event_synchronize(head.event)
+                    result = TransferResult(head.job_id, True, head.nbytes,
+                                            time.perf_counter() - head.start)
+                except Exception as exc:  # a CUDA error after enqueueing: a failed job
+                    result = _failed(head.job_id, exc, head.start)
+                self._free_events.append(head.event)
+            elif head.result is not None:
+                result = head.result
+            else:  # a _Flight holds an event or a result; never neither
+                result = _failed(head.job_id, RuntimeError("no result"), head.start)
+            flight.popleft()
+            block = False
+            with self._cond:
+                self._pending.discard(head.job_id)
+                self._done.append(result)
+                self._cond.notify_all()
+
+    def _execute(self, plan: TransferPlan, ready: object) -> _Flight:
+        """Start one job: copied on CPU, enqueued on CUDA; a failure is a failed result
+        (zero bytes moved)."""
         start = time.perf_counter()
         try:
             job = self._prepare(plan)
@@ -283,22 +309,37 @@ class TransferEngine:
                 _native.copy(self._regions, job.table, context=job.context, roles=job.roles,
                              job_id=plan.job_id, group_of=job.group_of)
             else:
-                self._copy_cuda(job, ready, plan.job_id)
+                event = self._enqueue_cuda(job, ready, plan.job_id)
+                return _Flight(plan.job_id, job.nbytes, start, event, None)
         except Exception as exc:  # KVCopyError, argument errors, CUDA failures: all failures
-            text = str(exc) if isinstance(exc, KVCopyError) else f"{type(exc).__name__}: {exc}"
-            return TransferResult(plan.job_id, False, 0, time.perf_counter() - start, text)
-        return TransferResult(plan.job_id, True, job.nbytes, time.perf_counter() - start)
+            return _Flight(plan.job_id, 0, start, None, _failed(plan.job_id, exc, start))
+        return _Flight(plan.job_id, job.nbytes, start, None, TransferResult(
+            plan.job_id, True, job.nbytes, time.perf_counter() - start))
 
-    def _copy_cuda(self, job: _Job, ready: object, job_id: int) -> None:
-        """Enqueue on the engine's stream after ``ready``, then wait on an event."""
-        assert self._cuda is not None
-        if isinstance(ready, torch.cuda.Event):
-            self._torch_stream.wait_event(ready)
-        self._cuda.copy(self._regions, job.table, self._stream, method=self._method,
-                        context=job.context, roles=job.roles, job_id=job_id,
-                        group_of=job.group_of)
-        self._cuda.event_record(self._event, self._stream)
-        self._cuda.event_synchronize(self._event)
+    def _gpu(self) -> _cuda.CudaCopier:
+        if self._cuda is None:
+            raise RuntimeError("this TransferEngine has no CUDA copier")
+        return self._cuda
+
+    def _enqueue_cuda(self, job: _Job, ready: object, job_id: int) -> int:
+        """Enqueue on the engine's stream after ``ready`` and record a free event (one is
+        always free: at most MAX_IN_FLIGHT jobs hold one, and a full flight is retired
+        before the next job starts)."""
+        gpu = self._gpu()
+        if not self._free_events:  # cannot happen (see above); refuse before enqueueing
+            raise RuntimeError(f"all {MAX_IN_FLIGHT} CUDA events are in use")
+        event = self._free_events.pop()
+        try:
+            if isinstance(ready, torch.cuda.Event):
+                self._torch_stream.wait_event(ready)
+            gpu.copy(self._regions, job.table, self._stream, method=self._method,
+                     context=job.context, roles=job.roles, job_id=job_id,
+                     group_of=job.group_of)
+            gpu.event_record(event, self._stream)
+        except Exception:
+            self._free_events.append(event)
+            raise
+        return event
 
     def close(self) -> None:
         """Finish queued jobs, stop the worker and release CUDA handles. Idempotent."""
@@ -309,7 +350,8 @@ class TransferEngine:
         self._queue.put(None)
         self._thread.join()
         if self._cuda is not None:
-            self._cuda.event_destroy(self._event)
+            for event in self._events:
+                self._cuda.event_destroy(event)
             self._cuda.close()
 
     def __enter__(self) -> TransferEngine:
