@@ -20,10 +20,18 @@ stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of
 one (a second lookup of the same request). Memory: RSS growth over the set-up divided by
 the hash blocks tracked; only the first configuration's figure (the SUMMARY's) is clean.
 
-Not yet here: the same workload through vLLM's ``OffloadingConnectorScheduler`` for
-ratios in one run; the figures are kvcore's alone. The admission (finish, add, lookup,
-load, prefill store) is timed apart from the decode part, since its cost follows the
-prompt length by nature.
+vLLM: when ``vllm`` is importable (``--no-vllm`` skips it), the same workload also runs
+through vLLM's own ``OffloadingConnectorScheduler`` (``benchmarks/_vllm_baseline.py``), in
+the same process, step for step interleaved with kvcore's (a busy machine slows both
+alike), with ``offload_prompt_only=False`` so both store decode chunks. vLLM's offloading
+manager is replaced by a free mock (a set of stored keys) while kvcore keeps its real LRU
+manager, so the ratios favour vLLM. A second table prints vLLM's figures and the ratios
+vLLM / kvcore (> 1: kvcore is faster): decode mean per step, cold and warm lookup; the
+SUMMARY adds ``decode_vs_vllm_128k`` and ``lookup_vs_vllm_128k`` (cold) for the first
+configuration (DeepSeek-V4 at the longest context).
+
+The admission (finish, add, lookup, load, prefill store) is timed apart from the decode
+part on both sides, since its cost follows the prompt length by nature.
 """
 
 from __future__ import annotations
@@ -389,19 +397,22 @@ def load_vllm() -> Any:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--requests", type=int, help="running requests (256; --quick: 64)")
+    p.add_argument("--steps", type=int, help="timed steps (40; --quick: 20)")
     p.add_argument("--lookups", type=int, default=5)
-    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--contexts", type=int, nargs="+",
+                   help="context lengths (8192 32768 131072; --quick: 2048 8192)")
     p.add_argument("--layouts", nargs="+", default=["dsv4", "llama"], choices=LAYOUTS)
-    p.add_argument("--quick", action="store_true", help="64 requests, 2K/8K contexts")
+    p.add_argument("--quick", action="store_true", help="64 requests, 2K/8K, 20 steps")
     p.add_argument("--check", action="store_true", help="runtime invariant checks on")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-vllm", action="store_true", help="skip the vLLM side")
     args = p.parse_args()
     args.vllm = None if args.no_vllm else load_vllm()
-    if args.quick:
-        args.requests, args.contexts, args.steps = 64, [2048, 8192], 20
+    for name, full, quick in (("requests", 256, 64), ("steps", 40, 20),
+                              ("contexts", [8192, 32768, 131072], [2048, 8192])):
+        if getattr(args, name) is None:  # given values win over --quick's
+            setattr(args, name, quick if args.quick else full)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"python {platform.python_version()}; {args.requests} requests decoding "
           f"1+{SPEC_TOKENS} tokens/step, {args.steps} steps, thread CPU time")
