@@ -20,11 +20,11 @@ check that lets ``num_gpu_blocks`` itself through, and a CPU check without an up
 
 from __future__ import annotations
 
+import kvcore.transfer._plans as transfer
 from kvcore.spec.errors import KVCopyError
 from kvcore.spec.invariants import PlanRecord, b1_block_ids_in_range, s1_plan_shape
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import GroupKind, GroupSpec, make_key
-from kvcore.transfer import _plans as transfer
 
 from ._bounded import CONFIRMED, REFUTED, Obligation, small_config
 from ._mutate import mutant
