@@ -20,10 +20,19 @@ stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of
 one (a second lookup of the same request). Memory: RSS growth over the set-up divided by
 the hash blocks tracked; only the first configuration's figure (the SUMMARY's) is clean.
 
-Not yet here: the same workload through vLLM's ``OffloadingConnectorScheduler`` for
-ratios in one run; the figures are kvcore's alone. The admission (finish, add, lookup,
-load, prefill store) is timed apart from the decode part, since its cost follows the
-prompt length by nature.
+vLLM: when ``vllm`` is importable (``--no-vllm`` skips it), the same workload also runs
+through vLLM's own ``OffloadingConnectorScheduler`` (``benchmarks/_vllm_baseline.py``), in
+the same process, step for step interleaved with kvcore's (a busy machine slows both
+alike), with ``offload_prompt_only=False`` so both store decode chunks. vLLM's offloading
+manager is replaced by a near-free mock (per group, a dict of the last keys stored, as many
+as kvcore's tier has slots, so both hit and miss alike) while kvcore keeps its real LRU
+manager, so the ratios favour vLLM. A second table prints vLLM's figures and the ratios
+vLLM / kvcore (> 1: kvcore is faster): decode mean per step, cold and warm lookup; the
+SUMMARY adds ``decode_vs_vllm_128k`` and ``lookup_vs_vllm_128k`` (cold) for the first
+configuration (DeepSeek-V4 at the longest context).
+
+The admission (finish, add, lookup, load, prefill store) is timed apart from the decode
+part on both sides, since its cost follows the prompt length by nature.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import pstats
 import statistics
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvcore.manager import CPUOffloadManager
 from kvcore.presets import preset
@@ -74,34 +84,18 @@ class Live:
     freed: list[int] = field(default_factory=lambda: [0] * 8)  # window blocks freed
 
 
-class Engine:
-    """A minimal engine loop around one ``OffloadScheduler``."""
+class Pool:
+    """The engine's GPU block pool and block tables (the same code for kvcore and vLLM).
 
-    def __init__(self, layout: str, context: int, requests: int, check: bool) -> None:
-        base = preset(LAYOUTS[layout])
-        self.cfg: OffloadConfig = replace(base, num_gpu_blocks=1 << 24, num_cpu_blocks=1 << 17)
-        self.manager = CPUOffloadManager.for_config(self.cfg, check=check)
-        self.sched = OffloadScheduler(self.cfg, self.manager, check=check)
-        self.hbt = self.cfg.hash_block_tokens
+    Ids are recycled: freed ids go back to ``free`` and are handed out again first; every
+    id handed out since the last step is in ``allocated``.
+    """
+
+    def __init__(self, cfg: OffloadConfig) -> None:
+        self.cfg = cfg
         self.free: list[int] = []
         self.next_gpu = 1
         self.allocated: set[int] = set()
-        self.pending: list[WorkerReport] = []
-        self.live: dict[str, Live] = {}
-        self.counter = 0
-        self.preempted: str | None = None
-        self.work = {"stores": 0, "keys": 0, "flushes": 0, "loads": 0, "storing_reqs": 0}
-        rss0 = rss_bytes()
-        for i in range(requests):
-            # Admit one request at a time and complete its stores, so the tier's LRU can
-            # evict older chunks instead of refusing while everything is still WRITING.
-            self.prefill(Live(f"r{i}", i, context - i))
-            self.sched.worker_output(self.pending)
-            self.pending = []
-        self.hash_blocks = sum(live.hashed for live in self.live.values())
-        self.bytes_per_hash = (rss_bytes() - rss0) / max(self.hash_blocks, 1)
-
-    # -- GPU pool -------------------------------------------------------------------------
 
     def take(self, n: int) -> list[int]:
         out = []
@@ -114,7 +108,7 @@ class Engine:
         self.allocated.update(out)
         return out
 
-    def grow(self, live: Live, upto: int, free_window: bool = True
+    def grow(self, live: Any, upto: int, free_window: bool = True
              ) -> tuple[tuple[int, ...], ...]:
         """New blocks so every group covers ``upto`` tokens; window blocks that left the
         window return to the pool (the engine frees them once the step that computed them
@@ -135,7 +129,7 @@ class Engine:
             new.append(tuple(table[old:]))
         return tuple(new)
 
-    def null_before(self, live: Live, hit: int) -> tuple[tuple[int, ...], ...]:
+    def null_before(self, live: Any, hit: int) -> tuple[tuple[int, ...], ...]:
         """A request admitted with a hit allocates null window blocks before the window
         that ends at the hit (the engine computes nothing there)."""
         for group, g in enumerate(self.cfg.groups):
@@ -148,7 +142,7 @@ class Engine:
                     table[pos] = 0
         return tuple(tuple(t) for t in live.tables)
 
-    def resume_tables(self, live: Live, upto: int) -> tuple[tuple[int, ...], ...]:
+    def resume_tables(self, live: Any, upto: int) -> tuple[tuple[int, ...], ...]:
         """A preempted request's rebuilt tables: full groups get every block, window
         groups only the window's (null blocks before it), as an engine allocates them."""
         for group, g in enumerate(self.cfg.groups):
@@ -161,11 +155,37 @@ class Engine:
                 live.freed[group] = n - keep
         return tuple(tuple(t) for t in live.tables)
 
-    def release(self, live: Live) -> None:
+    def release(self, live: Any) -> None:
         for table in live.tables:
             self.free.extend(i for i in table if i)
         live.tables = [[] for _ in self.cfg.groups]
         live.freed = [0] * 8
+
+
+class Engine:
+    """A minimal engine loop around one ``OffloadScheduler``."""
+
+    def __init__(self, layout: str, context: int, requests: int, check: bool) -> None:
+        base = preset(LAYOUTS[layout])
+        self.cfg: OffloadConfig = replace(base, num_gpu_blocks=1 << 24, num_cpu_blocks=1 << 17)
+        self.manager = CPUOffloadManager.for_config(self.cfg, check=check)
+        self.sched = OffloadScheduler(self.cfg, self.manager, check=check)
+        self.hbt = self.cfg.hash_block_tokens
+        self.pool = Pool(self.cfg)
+        self.pending: list[WorkerReport] = []
+        self.live: dict[str, Live] = {}
+        self.counter = 0
+        self.preempted: str | None = None
+        self.work = {"stores": 0, "keys": 0, "flushes": 0, "loads": 0, "storing_reqs": 0}
+        rss0 = rss_bytes()
+        for i in range(requests):
+            # Admit one request at a time and complete its stores, so the tier's LRU can
+            # evict older chunks instead of refusing while everything is still WRITING.
+            self.prefill(Live(f"r{i}", i, context - i))
+            self.sched.worker_output(self.pending)
+            self.pending = []
+        self.hash_blocks = sum(live.hashed for live in self.live.values())
+        self.bytes_per_hash = (rss_bytes() - rss0) / max(self.hash_blocks, 1)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -184,17 +204,17 @@ class Engine:
         hit = sched.lookup(live.rid, 0, live.tokens)
         hit = hit if isinstance(hit, int) else 0
         live.tables = [[] for _ in self.cfg.groups]
-        blocks = self.grow(live, live.tokens, free_window=False)
+        blocks = self.pool.grow(live, live.tokens, free_window=False)
         if hit:
-            blocks = self.null_before(live, hit)
+            blocks = self.pool.null_before(live, hit)
             plan = sched.after_alloc(live.rid, blocks, [0] * len(blocks), 0, hit)
             if plan is not None:
                 self.work["loads"] += 1
         self.live[live.rid] = live
         todo = live.tokens - hit
         sr = ScheduledRequest(live.rid, todo, hit, live.tokens, blocks)
-        self.settle(sched.build_step(StepInput((sr,), (), frozenset(self.allocated))))
-        self.allocated.clear()
+        self.settle(sched.build_step(StepInput((sr,), (), frozenset(self.pool.allocated))))
+        self.pool.allocated.clear()
 
     def settle(self, plan: object) -> None:
         jobs = plan.stores + plan.loads  # type: ignore[attr-defined]
@@ -214,7 +234,7 @@ class Engine:
         done = order[self.counter % len(order)]
         if done.rid != self.preempted:
             sched.request_finished(done.rid)
-            self.release(done)
+            self.pool.release(done)
             del self.live[done.rid]
             self.prefill(Live(f"{done.rid.split('.')[0]}.{self.counter}", done.seed,
                               done.tokens))
@@ -225,20 +245,20 @@ class Engine:
         step = []
         for live in self.live.values():
             if live.rid == self.preempted:
-                self.release(live)
+                self.pool.release(live)
                 continue
             n = live.tokens
             is_resumed = live.rid == resumed
             if is_resumed:
-                blocks = self.resume_tables(live, n + SPEC_TOKENS)
+                blocks = self.pool.resume_tables(live, n + SPEC_TOKENS)
             else:
-                blocks = self.grow(live, n + SPEC_TOKENS)
+                blocks = self.pool.grow(live, n + SPEC_TOKENS)
             step.append(ScheduledRequest(live.rid, 1 + SPEC_TOKENS, n - 1, n, blocks,
                                          self.new_hashes(live), resumed=is_resumed))
             live.tokens = n + 1 + SPEC_TOKENS
         pre = (self.preempted,) if self.preempted else ()
-        plan = sched.build_step(StepInput(tuple(step), pre, frozenset(self.allocated)))
-        self.allocated.clear()
+        plan = sched.build_step(StepInput(tuple(step), pre, frozenset(self.pool.allocated)))
+        self.pool.allocated.clear()
         self.settle(plan)
         elapsed = time.thread_time() - start - self.admit_s
         self.work["stores"] += len(plan.stores)
@@ -247,23 +267,32 @@ class Engine:
         self.last_stores = len(plan.stores)
         return elapsed
 
+    def probe(self) -> tuple[int, int]:
+        """(seed, tokens) of the prompt every lookup probe asks for: the latest admitted
+        request's, whose chunks are in the tier."""
+        donor = list(self.live.values())[-1]
+        return donor.seed, donor.tokens - 1
+
+    def lookup_once(self, seed: int, tokens: int, k: int) -> tuple[float, float]:
+        """(cold, warm) seconds: a fresh request's first lookup, keys derived inside the
+        timed span (``add_request`` is in it), then its second lookup."""
+        hashes = tuple(hash_of(seed, i) for i in range(tokens // self.hbt))
+        rid = f"probe{k}"
+        start = time.thread_time()
+        self.sched.add_request(RequestInfo(rid, tokens, hashes))
+        self.sched.lookup(rid, 0, tokens)
+        cold = time.thread_time() - start
+        start = time.thread_time()
+        self.sched.lookup(rid, 0, tokens)
+        warm = time.thread_time() - start
+        self.sched.request_finished(rid)
+        return cold, warm
+
     def lookups(self, repeats: int) -> tuple[float, float]:
         """Median (cold, warm) lookup in ms of a fresh request with a tracked prompt."""
-        donor = list(self.live.values())[-1]  # the latest admitted: its chunks are in the tier
-        tokens = donor.tokens - 1
-        hashes = self.hashes(donor, 0, tokens)
-        cold, warm = [], []
-        for k in range(repeats):
-            rid = f"probe{k}"
-            start = time.thread_time()
-            self.sched.add_request(RequestInfo(rid, tokens, hashes))
-            self.sched.lookup(rid, 0, tokens)
-            cold.append(time.thread_time() - start)
-            start = time.thread_time()
-            self.sched.lookup(rid, 0, tokens)
-            warm.append(time.thread_time() - start)
-            self.sched.request_finished(rid)
-        return statistics.median(cold) * 1e3, statistics.median(warm) * 1e3
+        runs = [self.lookup_once(*self.probe(), k) for k in range(repeats)]
+        return (statistics.median(c for c, _ in runs) * 1e3,
+                statistics.median(w for _, w in runs) * 1e3)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -271,39 +300,81 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str, float]:
-    eng = Engine(layout, context, args.requests, check=args.check)
-    for _ in range(3):  # warm up: the first steps settle the admission stores
-        eng.step()
-    eng.work = dict.fromkeys(eng.work, 0)
-    loads0 = eng.sched.stats().loads
-    times, stores, admits = [], [], []
-    for _ in range(args.steps):
-        times.append(eng.step())
-        stores.append(eng.last_stores)
-        admits.append(eng.admit_s)
-    cold, warm = eng.lookups(args.lookups)
+def summarize(times: list[float], stores: list[int], requests: int) -> dict[str, float]:
+    """mean / p50 / p99 in ms, us per request, and the storing-step ratio of one side."""
     mid = statistics.median(stores)
     heavy = [t for t, s in zip(times, stores, strict=True) if s > mid] or times
     light = [t for t, s in zip(times, stores, strict=True) if s <= mid] or times
-    n, steps = args.requests, args.steps
-    out = {"mean": statistics.mean(times) * 1e3, "p50": pct(times, 0.5) * 1e3,
-           "p99": pct(times, 0.99) * 1e3, "us_req": statistics.mean(times) * 1e6 / n,
-           "storing_ratio": statistics.mean(heavy) / statistics.mean(light),
-           "admit": statistics.mean(admits) * 1e3, "cold": cold, "warm": warm,
-           "bph": eng.bytes_per_hash,
-           "stores": eng.work["stores"] / steps, "keys": eng.work["keys"] / steps,
-           "flushes": eng.work["flushes"] / steps,
-           "loads": (eng.sched.stats().loads - loads0) / steps}
+    return {"mean": statistics.mean(times) * 1e3, "p50": pct(times, 0.5) * 1e3,
+            "p99": pct(times, 0.99) * 1e3, "us_req": statistics.mean(times) * 1e6 / requests,
+            "storing_ratio": statistics.mean(heavy) / statistics.mean(light)}
+
+
+def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One layout x context: kvcore and (when importable) vLLM, step for step."""
+    eng = Engine(layout, context, args.requests, check=args.check)
+    up = None
+    if args.vllm:
+        up = args.vllm.VllmEngine(eng.cfg, context, args.requests, Pool(eng.cfg),
+                                       hash_of, SPEC_TOKENS)
+    sides = [eng] if up is None else [eng, up]
+    for _ in range(3):  # warm up: the first steps settle the admission stores
+        for side in sides:
+            side.step()
+    for side in sides:
+        side.work = dict.fromkeys(side.work, 0)
+    loads0 = eng.sched.stats().loads
+    times: list[list[float]] = [[] for _ in sides]
+    stores: list[list[int]] = [[] for _ in sides]
+    admits = []
+    for _ in range(args.steps):  # interleaved: a busy machine slows both alike
+        for i, side in enumerate(sides):
+            times[i].append(side.step())
+            stores[i].append(side.last_stores)
+        admits.append(eng.admit_s)
+    probes = [[side.lookup_once(*eng.probe(), k) for side in sides]
+              for k in range(args.lookups)]
+    steps = args.steps
+    out: dict[str, Any] = summarize(times[0], stores[0], args.requests)
+    cold = statistics.median(p[0][0] for p in probes) * 1e3
+    warm = statistics.median(p[0][1] for p in probes) * 1e3
+    out |= {"admit": statistics.mean(admits) * 1e3, "cold": cold, "warm": warm,
+            "bph": eng.bytes_per_hash,
+            "stores": eng.work["stores"] / steps, "keys": eng.work["keys"] / steps,
+            "flushes": eng.work["flushes"] / steps,
+            "loads": (eng.sched.stats().loads - loads0) / steps}
     print(f"| {LAYOUTS[layout]:16} | {context:>7} | {out['mean']:6.2f} | {out['p50']:6.2f} | "
           f"{out['p99']:6.2f} | {out['us_req']:6.1f} | {out['admit']:6.2f} | "
           f"{out['storing_ratio']:5.2f} | "
           f"{out['stores']:6.1f} | {out['keys']:7.1f} | {out['flushes']:5.1f} | "
           f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {out['bph']:6.0f} |",
           flush=True)
+    if up is not None:
+        vout = summarize(times[1], stores[1], args.requests)
+        vout |= {k: v / steps for k, v in up.work.items()}
+        vout["cold"] = statistics.median(p[1][0] for p in probes) * 1e3
+        vout["warm"] = statistics.median(p[1][1] for p in probes) * 1e3
+        out["vllm"] = vout
     if args.profile and context == max(args.contexts):
         profile(eng)
     return out
+
+
+def print_vllm(vllm: Any, res: dict[tuple[str, int], dict[str, Any]]) -> None:
+    """vLLM's side of every configuration and the ratios (vLLM / kvcore: > 1 means kvcore
+    is faster)."""
+    print(f"vLLM {vllm.VERSION} OffloadingConnectorScheduler, same workload, "
+          "interleaved; its manager is a near-free mock (per group a dict of the last "
+          "num_cpu_blocks keys stored), kvcore's is its real LRU manager")
+    print("| layout           | context | vLLM mean ms | p50 | p99 | kvcore mean ms | decode x | "
+          "vLLM cold ms | cold x | vLLM warm ms | warm x | stores | keys | flush | load |")
+    for (layout, context), r in res.items():
+        v = r["vllm"]
+        print(f"| {LAYOUTS[layout]:16} | {context:>7} | {v['mean']:8.2f} | {v['p50']:6.2f} | "
+              f"{v['p99']:6.2f} | {r['mean']:8.2f} | {v['mean'] / r['mean']:5.1f} | "
+              f"{v['cold']:8.2f} | {v['cold'] / r['cold']:5.1f} | {v['warm']:8.2f} | "
+              f"{v['warm'] / r['warm']:5.1f} | {v['stores']:6.1f} | {v['keys']:7.1f} | "
+              f"{v['flushes']:5.1f} | {v['loads']:4.1f} |")
 
 
 def profile(eng: Engine) -> None:
@@ -315,19 +386,34 @@ def profile(eng: Engine) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
+def load_vllm() -> Any:
+    """The vLLM side (benchmarks/_vllm_baseline.py), or None when vLLM is not importable."""
+    try:
+        import _vllm_baseline
+    except ImportError as exc:
+        print(f"vLLM is not importable ({exc}); kvcore's figures alone")
+        return None
+    return _vllm_baseline
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=256)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--lookups", type=int, default=5)
-    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--requests", type=int, help="running requests (256; --quick: 64)")
+    p.add_argument("--steps", type=int, help="timed steps (20)")
+    p.add_argument("--lookups", type=int, default=3)
+    p.add_argument("--contexts", type=int, nargs="+",
+                   help="context lengths (8192 32768 131072; --quick: 2048 8192)")
     p.add_argument("--layouts", nargs="+", default=["dsv4", "llama"], choices=LAYOUTS)
-    p.add_argument("--quick", action="store_true", help="64 requests, 2K/8K contexts")
+    p.add_argument("--quick", action="store_true", help="64 requests, 2K/8K, 20 steps")
     p.add_argument("--check", action="store_true", help="runtime invariant checks on")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM side")
     args = p.parse_args()
-    if args.quick:
-        args.requests, args.contexts, args.steps = 64, [2048, 8192], 20
+    args.vllm = None if args.no_vllm else load_vllm()
+    for name, full, quick in (("requests", 256, 64), ("steps", 20, 20),
+                              ("contexts", [8192, 32768, 131072], [2048, 8192])):
+        if getattr(args, name) is None:  # given values win over --quick's
+            setattr(args, name, quick if args.quick else full)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"python {platform.python_version()}; {args.requests} requests decoding "
           f"1+{SPEC_TOKENS} tokens/step, {args.steps} steps, thread CPU time")
@@ -337,6 +423,8 @@ def main() -> None:
     # figure (later set-ups reuse pages the process already holds).
     res = {(lay, c): run_config(lay, c, args)
            for lay in args.layouts for c in sorted(args.contexts, reverse=True)}
+    if args.vllm is not None:
+        print_vllm(args.vllm, res)
     top = max(args.contexts)
     first = res.get(("dsv4", top)) or next(iter(res.values()))
     llama = res.get(("llama", top), {"cold": float("nan")})
@@ -344,7 +432,16 @@ def main() -> None:
           f"storing_step_ratio={max(r['storing_ratio'] for r in res.values()):.2f} "
           f"lookup_cold_ms_128k_dsv4={first['cold']:.2f} "
           f"lookup_cold_ms_128k_llama={llama['cold']:.2f} "
-          f"bytes_per_hash_block={first['bph']:.0f}")
+          f"bytes_per_hash_block={first['bph']:.0f}" + vllm_summary(first))
+
+
+def vllm_summary(first: dict[str, Any]) -> str:
+    """The SUMMARY's vLLM keys, for the first configuration, only when vLLM ran."""
+    if "vllm" not in first:
+        return ""
+    v = first["vllm"]
+    return (f" decode_vs_vllm_128k={v['mean'] / first['mean']:.1f}"
+            f" lookup_vs_vllm_128k={v['cold'] / first['cold']:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """B1 / S1 obligations on the transfer engine's plan validation (the Python side).
 
-Function under test: ``kvcore.transfer._check_group_ranges``, the pure check every plan
+Function under test: ``kvcore.transfer._plans._check_group_ranges``, the pure check every plan
 goes through before any descriptor is built or the C library is called. It is compared
 with the predicates ``b1_block_ids_in_range`` and ``s1_plan_shape`` (with one key per
 CPU slot): a group's share of a plan is accepted iff B1 and S1 hold, ``block_index`` is
@@ -20,7 +20,7 @@ check that lets ``num_gpu_blocks`` itself through, and a CPU check without an up
 
 from __future__ import annotations
 
-from kvcore import transfer
+import kvcore.transfer._plans as transfer
 from kvcore.spec.errors import KVCopyError
 from kvcore.spec.invariants import PlanRecord, b1_block_ids_in_range, s1_plan_shape
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
@@ -69,11 +69,11 @@ def plan_check_matches_b1_s1(store: bool, bpc: int, num_gpu: int, num_cpu: int,
     return _validate(store, bpc, num_gpu, num_cpu, block_index, ids, slots)
 
 
-GPU_BOUND_INCLUSIVE = mutant("kvcore.transfer:_check_group_ranges",
+GPU_BOUND_INCLUSIVE = mutant("kvcore.transfer._plans:_check_group_ranges",
                              "if not 0 < b < num_gpu_blocks:",
                              "if not 0 < b <= num_gpu_blocks:",
                              "GPU id num_gpu_blocks accepted (one row past the pool)")
-CPU_UNBOUNDED = mutant("kvcore.transfer:_check_group_ranges",
+CPU_UNBOUNDED = mutant("kvcore.transfer._plans:_check_group_ranges",
                        "if not 0 <= s < num_cpu_blocks:", "if not 0 <= s:",
                        "CPU slots are not checked against the tier's size")
 

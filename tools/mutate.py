@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PY_TARGETS = ("kvcore/scheduler", "kvcore/manager", "kvcore/transfer.py")
+PY_TARGETS = ("kvcore/scheduler", "kvcore/manager", "kvcore/transfer")
 C_TARGET = "native/kvcore_copy.c"
 # cosmic-ray operators kept, by family (the names are cosmic-ray's).
 FAMILIES = {

@@ -14,12 +14,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from kvcore import _native as native
 from kvcore._native import Status
 from kvcore.spec.errors import KVCopyError, TransferArgumentError
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
@@ -344,6 +346,61 @@ def test_a_job_id_in_flight_is_refused_and_the_first_job_still_runs(
     gate.set()
     (result,) = engine.wait([5], timeout=60)
     assert result.success and engine.poll() == [result]
+
+
+class _HeldGpu:
+    """Stands in for CudaCopier on CPU tensors: ``copy`` only queues the table, the copies
+    run (in order) when an event after them is waited for, and nothing is done before
+    ``gate`` opens: a GPU still busy with the first job."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.queued: list[tuple[Any, Any, int]] = []
+        self.marks: dict[int, int] = {}
+        self.ran = 0
+
+    def copy(self, regions: Any, table: Any, stream: int, **kw: Any) -> None:
+        self.queued.append((regions, table, kw["job_id"]))
+
+    def event_record(self, event: int, stream: int) -> None:
+        self.marks[event] = len(self.queued)
+
+    def event_done(self, event: int) -> bool:
+        return self.gate.is_set() and self.ran >= self.marks[event]
+
+    def event_synchronize(self, event: int) -> None:
+        assert self.gate.wait(60)
+        for regions, table, _ in self.queued[self.ran:self.marks[event]]:
+            native.copy(regions, table)
+        self.ran = max(self.ran, self.marks[event])
+
+
+def test_cuda_jobs_are_queued_back_to_back_and_finish_in_order(
+        engine: TransferEngine) -> None:
+    """The worker does not wait on each CUDA job: while the first copy has not run, the
+    next two are already enqueued; each finishes only once its event has, in order, with
+    its bytes in the tier."""
+    gpu = _HeldGpu()
+    engine._cuda, engine._stream = gpu, 0  # type: ignore[assignment]
+    engine._free_events, engine._events = [101, 102, 103], ()
+    engine.submit(_plan(job=1))
+    engine.submit(_plan(job=2, groups=_group(ids=(5, 6), slots=(2,))))
+    engine.submit(_plan(job=3, groups=_group(ids=(7,), slots=(3,))))
+    deadline = time.monotonic() + 20  # generous: enqueueing three jobs takes milliseconds
+    while len(gpu.queued) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [job for _, _, job in gpu.queued] == [1, 2, 3] and gpu.ran == 0
+    assert engine.in_flight() == [1, 2, 3] and engine.poll() == []
+    gpu.gate.set()
+    results = engine.wait([1, 2, 3], timeout=60)
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True), (3, True)]
+    gpu_rows = engine._groups[0][0].gpu
+    for slot, rows in ((1, (3, 4)), (2, (5, 6)), (3, (7,))):
+        want = b"".join(bytes(gpu_rows[r].contiguous().view(torch.uint8).flatten().tolist())
+                        for r in rows)
+        assert engine.read_cpu_chunk(0, 0, slot)[:len(want)] == want
+    assert sorted(engine._free_events) == [101, 102, 103]
+    engine._cuda = None  # close() must not destroy the stand-in's events
 
 
 @pytest.mark.parametrize("call", [

@@ -1,0 +1,405 @@
+"""TransferEngine: the scheduler's load and store jobs, executed as validated block copies.
+
+Jobs run on one background worker thread, in submission order. On the C path the copy
+releases the GIL; on the CUDA path the worker enqueues on its own stream, after the
+submitter's current stream, records an event and goes on with the next job: up to
+``MAX_IN_FLIGHT`` jobs are queued on the stream at once (the GPU copies them back to back
+while the worker checks the next plans), and each finishes when its event has.
+``wait()`` is how the scheduler's fence and preemption flushes make sure a source block is
+no longer read.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+import torch
+
+from kvcore import _cuda, _native
+from kvcore._native import RegionTable, Status
+from kvcore.spec.errors import KVCopyError, TransferArgumentError
+from kvcore.spec.plans import GroupTransfer, TransferPlan
+from kvcore.spec.types import OffloadConfig
+
+from . import _setup
+from ._memory import _bad, _check_disjoint, _Registered
+from ._plans import _Job, _kv_error, check_plan, prepare_plan, short_repr
+from ._results import MAX_IN_FLIGHT, TransferResult, _failed, _Flight
+from ._setup import MAX_QUEUED_JOBS, _check_options
+
+
+class TransferEngine:
+    """Moves KV blocks between the engine's GPU tensors and a CPU tier of chunk slots.
+
+    ``gpu_tensors[g]`` lists group ``g``'s tensors: per-layer tensors (dim 0 = block id, any
+    dtype, copied as bytes), or one packed cross-layer tensor whose rows hold every layer
+    (or per-layer views of it, whose rows are strided). Every tensor needs
+    ``shape[0] == config.num_gpu_blocks``. On a machine without a GPU the "GPU" tensors are
+    CPU tensors and the C library does the copies; with CUDA tensors the CUDA library does.
+
+    The CPU tier holds, for group ``g``, ``cpu_capacity(config, g)`` chunk slots (slot ids
+    are per group: 0..capacity-1) of ``blocks_per_chunk`` blocks of each of its tensors,
+    and nothing else: ``pinned_bytes()`` is the sum over groups of capacity x bytes per
+    chunk. It is allocated here (pinned when the GPU tensors are on CUDA), or carved from
+    ``cpu_buffer``, an engine-provided uint8 tensor of exactly that size (or one per group).
+
+    Lifetime: the engine keeps a reference to every registered storage, so dropping a
+    tensor frees nothing it copies. Freeing or resizing a pool in place (sleep mode, cache
+    resizing) is detected at every submit and before every copy (a failed job, code
+    ``KVC_E_STORAGE``, nothing copied), but not during a copy: wait for in-flight jobs
+    (``drain()``) before freeing, then ``rebind_gpu_tensors()`` with the new tensors.
+
+    Thread use: ``submit``/``poll``/``wait``/``drain``/``close`` may be called from any
+    thread; one worker thread executes jobs in submission order (on CUDA, up to
+    ``MAX_IN_FLIGHT`` of them queued on its stream at once).
+    """
+
+    def __init__(self, config: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
+                 *, pin_memory: bool | None = None, cuda_method: str = "auto",
+                 max_queued_jobs: int = MAX_QUEUED_JOBS,
+                 cpu_buffer: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
+        _check_options(config, gpu_tensors, pin_memory, cuda_method, max_queued_jobs)
+        self.config = config
+        self.device = _setup.common_device(gpu_tensors)
+        if pin_memory is None:
+            pin_memory = self.device.type == "cuda"
+        self._capacities = _setup.tier_capacities(config)
+        gpu_pools = _setup.gpu_pools(config, gpu_tensors, self.device)
+        self._buffers = _setup.cpu_buffers(config, gpu_pools, self._capacities, cpu_buffer,
+                                           pin_memory)
+        self._groups, regions = _setup.register(config, self.device, gpu_pools,
+                                                self._capacities, self._buffers)
+        self._regions = RegionTable(regions)
+        self._cuda: _cuda.CudaCopier | None = None
+        self._method = _cuda.METHODS[cuda_method]
+        if self.device.type == "cuda":
+            self._open_cuda()
+        self._cond = threading.Condition()
+        self._pending: set[int] = set()
+        self._done: list[TransferResult] = []
+        self._closed = False
+        self._queue: queue.Queue[tuple[TransferPlan, object] | None] = queue.Queue(
+            maxsize=max_queued_jobs)
+        self._thread = threading.Thread(target=self._worker, name="kvcore-transfer",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- registration --------------------------------------------------------------------
+    def rebind_gpu_tensors(self, gpu_tensors: Sequence[Sequence[torch.Tensor]],
+                           timeout: float | None = None) -> None:
+        """Register the engine's re-allocated GPU pools; the CPU tier and its contents stay.
+
+        For sleep modes and cache resizing: ``drain()``, free the old pools, allocate new
+        ones, call this. The new tensors must match the old ones group by group and tensor
+        by tensor in bytes per block (the CPU chunks are laid out by it) and in block count.
+        Waits (up to ``timeout`` s, TimeoutError) until no job is in flight, then swaps the
+        regions atomically: jobs submitted later copy to the new pools. On any error the
+        engine is unchanged and keeps the old registration.
+        """
+        if isinstance(gpu_tensors, torch.Tensor) or not isinstance(gpu_tensors, (list, tuple)) \
+                or len(gpu_tensors) != len(self._groups):
+            raise _bad("gpu_tensors", f"must be a list of {len(self._groups)} lists of tensors, "
+                                      "as registered")
+        if _setup.common_device(gpu_tensors) != self.device:
+            raise _bad("gpu_tensors", f"must stay on {self.device}")
+        pools = _setup.gpu_pools(self.config, gpu_tensors, self.device)
+        for g, (new, old) in enumerate(zip(pools, self._groups, strict=True)):
+            if len(new) != len(old):
+                raise _bad(f"gpu_tensors[{g}]", f"has {len(new)} tensors; {len(old)} are "
+                                                "registered", value=len(new), bound=len(old))
+            for p, r in zip(new, old, strict=True):
+                if p.row_bytes != r.row_bytes:
+                    raise _bad(p.where, f"has {p.row_bytes} bytes per block; the registered "
+                                        f"tensor has {r.row_bytes} (the CPU tier is laid out "
+                                        "by it)", value=p.row_bytes, bound=r.row_bytes)
+        _check_disjoint([p for ps in pools for p in ps] + [r.cpu_pool for regs in self._groups
+                                                           for r in regs])
+        gpu_flags = self._regions.regions[self._groups[0][0].gpu_region].flags
+        regions = list(self._regions.regions)
+        groups = [[replace(r, gpu=p.tensor, gpu_pool=p) for p, r in zip(ps, regs, strict=True)]
+                  for ps, regs in zip(pools, self._groups, strict=True)]
+        for regs in groups:
+            for r in regs:
+                regions[r.gpu_region] = r.gpu_pool.region(gpu_flags)
+        table = RegionTable(regions)
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._pending, timeout):
+                raise TimeoutError(f"jobs {sorted(self._pending)} still running after "
+                                   f"{timeout} s; nothing was rebound")
+            self._groups, self._regions = groups, table
+
+    def _open_cuda(self) -> None:
+        index = self.device.index if self.device.index is not None else \
+            torch.cuda.current_device()
+        self._cuda = _cuda.CudaCopier(index)
+        self._torch_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        self._stream = int(self._torch_stream.cuda_stream)
+        self._free_events = [self._cuda.event_create() for _ in range(MAX_IN_FLIGHT)]
+        self._events = tuple(self._free_events)
+
+    # -- plans -----------------------------------------------------------------------------
+
+    def _storage_error(self, plan: TransferPlan, kinds: int = 0) -> KVCopyError | None:
+        """The first pool of a group this plan copies whose memory changed, as an error.
+
+        Checked at submit and again on the worker right before the C call: a pool freed or
+        resized in between is a failed job with nothing copied. It cannot cover a pool
+        freed while the copy runs; that is the engine's side of the contract (drain first).
+        """
+        for g, gt in enumerate(plan.groups[:len(self._groups)]):
+            ids = gt.gpu_block_ids if isinstance(gt, GroupTransfer) else ()
+            if not isinstance(ids, (tuple, list)) or not ids:
+                continue
+            for r in self._groups[g]:
+                for pool in (r.gpu_pool, r.cpu_pool):
+                    change = pool.changed()
+                    if change is not None:
+                        return _kv_error(
+                            f"{plan.kind.value}, job {plan.job_id}, group {g}: {change}. "
+                            "Wait for in-flight jobs (drain()) before freeing a pool and "
+                            "register the new one with rebind_gpu_tensors(); no bytes were "
+                            "copied.", Status.E_STORAGE, job_id=plan.job_id, group=g,
+                            index=None, value=pool.storage.nbytes(), bound=pool.storage_nbytes)
+        return None
+
+    def _prepare(self, plan: TransferPlan) -> _Job:
+        """The plan checked against this engine's registration, as one descriptor table."""
+        return prepare_plan(plan, self.config, self._groups, self._capacities)
+
+    def validate(self, plan: TransferPlan) -> None:
+        """Check a plan without moving a byte: KVCopyError (fields set) for the first bad id.
+
+        Runs the Python checks, the storage check and the C validation (the dry-run entry
+        point) on the exact table a submit would copy. Wrong Python types raise
+        TransferArgumentError (a ValueError).
+        """
+        job = self._prepare(plan)
+        failure = self._storage_error(plan)
+        if failure is not None:
+            raise failure
+        _native.validate(self._regions, job.table, context=job.context, roles=job.roles,
+                         job_id=plan.job_id, group_of=job.group_of)
+
+    # -- execution -------------------------------------------------------------------------
+
+    def submit(self, plan: TransferPlan) -> None:
+        """Queue a job; its TransferResult arrives through poll(). Never raises for bad ids.
+
+        A plan that fails validation finishes as a failed result with zero bytes moved; so
+        does one whose pools were freed or resized (checked here and again before the copy).
+        TransferArgumentError for something that is not a well-typed TransferPlan or a job
+        id already in flight; RuntimeError after close().
+        """
+        plan = check_plan(plan)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("TransferEngine is closed")
+            if plan.job_id in self._pending:
+                raise TransferArgumentError("plan.job_id", f"job {plan.job_id} is already in "
+                                            "flight; job ids must be unique among unfinished "
+                                            "jobs", job_id=plan.job_id)
+            failure = self._storage_error(plan)
+            if failure is not None:  # finished at once, never queued
+                self._done.append(TransferResult(plan.job_id, False, 0, 0.0, str(failure)))
+                self._cond.notify_all()
+                return
+            self._pending.add(plan.job_id)
+        ready: object = None
+        if self.device.type == "cuda":  # the copy must follow work already queued on the GPU
+            ready = torch.cuda.current_stream(self.device).record_event()
+        self._queue.put((plan, ready))
+
+    def poll(self) -> list[TransferResult]:
+        """Finished jobs since the last poll, in completion order (each returned once)."""
+        with self._cond:
+            done, self._done = self._done, []
+        return done
+
+    def in_flight(self) -> list[int]:
+        """Job ids submitted and not finished yet, in ascending order."""
+        with self._cond:
+            return sorted(self._pending)
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None
+             ) -> list[TransferResult]:
+        """Block until the given jobs have finished; return their not-yet-polled results.
+
+        Used by the fence (a store's source block is not reused before the store is done)
+        and by preemption/reset flushes. Ids not in flight count as finished. The results
+        stay queued for poll(). TimeoutError if ``timeout`` seconds pass first.
+        """
+        ids = set(job_ids)
+        with self._cond:
+            if not self._cond.wait_for(lambda: not ids & self._pending, timeout):
+                raise TimeoutError(f"jobs {sorted(ids & self._pending)} still running after "
+                                   f"{timeout} s")
+            return [r for r in self._done if r.job_id in ids]
+
+    def drain(self, timeout: float | None = None) -> list[TransferResult]:
+        """Wait for every job in flight (before freeing or resizing a registered pool)."""
+        return self.wait(self.in_flight(), timeout)
+
+    def _worker(self) -> None:
+        flight: deque[_Flight] = deque()  # started, not reported, in submission order
+        try:
+            while (item := self._next(flight)) is not None:
+                flight.append(self._execute(*item))
+                self._retire(flight, block=len(flight) >= MAX_IN_FLIGHT)
+            while flight:
+                self._retire(flight, block=True)
+        finally:  # never leave a waiter hanging, even if the worker dies
+            with self._cond:
+                for job_id in sorted(self._pending):
+                    self._done.append(TransferResult(job_id, False, 0, 0.0,
+                                                     "transfer worker stopped"))
+                self._pending.clear()
+                self._cond.notify_all()
+
+    def _next(self, flight: deque[_Flight]) -> tuple[TransferPlan, object] | None:
+        """The next queued job; while jobs are on the GPU, wait for the oldest instead of
+        blocking on an empty queue, so a finished copy is reported without a new submit."""
+        while flight:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                self._retire(flight, block=True)
+        return self._queue.get()
+
+    def _retire(self, flight: deque[_Flight], block: bool) -> None:
+        """Report the finished jobs at the head of ``flight``, in order; with ``block``,
+        wait for the oldest first. Events on one stream complete in order."""
+        while flight:
+            head = flight[0]
+            if head.event is not None:
+                try:
+                    if not block and not self._gpu().event_done(head.event):
+                        return
+                    self._gpu().event_synchronize(head.event)
+                    result = TransferResult(head.job_id, True, head.nbytes,
+                                            time.perf_counter() - head.start)
+                except Exception as exc:  # a CUDA error after enqueueing: a failed job
+                    result = _failed(head.job_id, exc, head.start)
+                self._free_events.append(head.event)
+            elif head.result is not None:
+                result = head.result
+            else:  # a _Flight holds an event or a result; never neither
+                result = _failed(head.job_id, RuntimeError("no result"), head.start)
+            flight.popleft()
+            block = False
+            with self._cond:
+                self._pending.discard(head.job_id)
+                self._done.append(result)
+                self._cond.notify_all()
+
+    def _execute(self, plan: TransferPlan, ready: object) -> _Flight:
+        """Start one job: copied on CPU, enqueued on CUDA; a failure is a failed result
+        (zero bytes moved)."""
+        start = time.perf_counter()
+        try:
+            job = self._prepare(plan)
+            failure = self._storage_error(plan)  # the last look before C reads the pools
+            if failure is not None:
+                raise failure
+            if self._cuda is None:
+                _native.copy(self._regions, job.table, context=job.context, roles=job.roles,
+                             job_id=plan.job_id, group_of=job.group_of)
+            else:
+                event = self._enqueue_cuda(job, ready, plan.job_id)
+                return _Flight(plan.job_id, job.nbytes, start, event, None)
+        except Exception as exc:  # KVCopyError, argument errors, CUDA failures: all failures
+            return _Flight(plan.job_id, 0, start, None, _failed(plan.job_id, exc, start))
+        return _Flight(plan.job_id, job.nbytes, start, None, TransferResult(
+            plan.job_id, True, job.nbytes, time.perf_counter() - start))
+
+    def _gpu(self) -> _cuda.CudaCopier:
+        if self._cuda is None:
+            raise RuntimeError("this TransferEngine has no CUDA copier")
+        return self._cuda
+
+    def _enqueue_cuda(self, job: _Job, ready: object, job_id: int) -> int:
+        """Enqueue on the engine's stream after ``ready`` and record a free event (one is
+        always free: at most MAX_IN_FLIGHT jobs hold one, and a full flight is retired
+        before the next job starts)."""
+        gpu = self._gpu()
+        if not self._free_events:  # cannot happen (see above); refuse before enqueueing
+            raise RuntimeError(f"all {MAX_IN_FLIGHT} CUDA events are in use")
+        event = self._free_events.pop()
+        try:
+            if isinstance(ready, torch.cuda.Event):
+                self._torch_stream.wait_event(ready)
+            gpu.copy(self._regions, job.table, self._stream, method=self._method,
+                     context=job.context, roles=job.roles, job_id=job_id,
+                     group_of=job.group_of)
+            gpu.event_record(event, self._stream)
+        except Exception:
+            self._free_events.append(event)
+            raise
+        return event
+
+    def close(self) -> None:
+        """Finish queued jobs, stop the worker and release CUDA handles. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if self._cuda is not None:
+            for event in self._events:
+                self._cuda.event_destroy(event)
+            self._cuda.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the CPU tier ----------------------------------------------------------------------
+
+    def cpu_tier_bytes(self) -> int:
+        """Bytes of the CPU tier (all groups, all tensors); the same as ``pinned_bytes()``."""
+        return self.pinned_bytes()
+
+    def pinned_bytes(self, group: int | None = None) -> int:
+        """Bytes of the CPU tier of one group, or of all groups (page-locked on CUDA).
+
+        The size of the group's buffer as allocated (or handed in), which is exactly
+        ``cpu_capacity(config, g) x blocks_per_chunk x bytes per block`` summed over the
+        group's tensors: every byte belongs to a slot of its group.
+        """
+        if group is None:
+            return sum(self.pinned_bytes(g) for g in range(len(self._groups)))
+        self._registered(group, 0)
+        return int(self._buffers[group].numel())
+
+    def _registered(self, group: object, tensor: object) -> _Registered:
+        """The registration of tensor ``tensor`` of ``group``; TransferArgumentError if none."""
+        if isinstance(group, bool) or not isinstance(group, int) \
+                or not 0 <= group < len(self._groups):
+            raise _bad("group", f"{short_repr(group)} is not a group id 0..{len(self._groups) - 1}")
+        regs = self._groups[group]
+        if isinstance(tensor, bool) or not isinstance(tensor, int) or not 0 <= tensor < len(regs):
+            raise _bad("tensor", f"{short_repr(tensor)} is not a tensor index 0..{len(regs) - 1} "
+                                 f"of group {group}")
+        return regs[tensor]
+
+    def num_tensors(self, group: int) -> int:
+        self._registered(group, 0)  # every group has at least one tensor
+        return len(self._groups[group])
+
+    def cpu_tensor(self, group: int, tensor: int) -> torch.Tensor:
+        """The CPU tier tensor of one registered tensor: (capacity, bpc * row_bytes) uint8."""
+        return self._registered(group, tensor).cpu
+
+    def read_cpu_chunk(self, group: int, tensor: int, slot: int) -> bytes:
+        """A copy of one CPU chunk's bytes (for tests and the integrity simulator)."""
+        cpu = self._registered(group, tensor).cpu
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cpu.shape[0]:
+            raise _bad("slot", f"{short_repr(slot)} is outside 0..{cpu.shape[0] - 1}")
+        return bytes(cpu[slot].tolist())

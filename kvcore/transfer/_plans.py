@@ -1,0 +1,222 @@
+"""Plans into descriptor tables: the Python half of every job's checks.
+
+A job (``kvcore.spec.plans.TransferPlan``) is checked here, where an error can name the
+job, the group and the role of a bad id, and becomes one descriptor table over the
+registered regions; the C library checks that table again before the first byte moves.
+The mapping is the sequential one of ``kvcore.spec.plans``: GPU block ``i`` of a group
+goes to sub-block ``(block_index % bpc + i) % bpc`` of chunk
+``cpu_slots[(block_index % bpc + i) // bpc]``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvcore import _native
+from kvcore._native import DescriptorTable, ErrorRecord, Side, Status
+from kvcore.spec.errors import KVCopyError, TransferArgumentError
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, chunks_spanned
+from kvcore.spec.types import OffloadConfig
+
+from ._memory import _bad, _Registered
+
+# Ids per group in one job: the C library takes at most 2**24 descriptors per call, and a
+# job's table holds ids x tensors of them; the full check is on the table's total.
+MAX_IDS_PER_GROUP = 1 << 24
+MAX_JOB_ID = (1 << 63) - 1
+
+
+def _kv_error(message: str, code: int, *, job_id: int, group: int, index: int | None,
+              value: int | None = None, bound: int | None = None) -> KVCopyError:
+    return KVCopyError(message, code=code, descriptor_index=index, job_id=job_id, group=group,
+                       value=value, bound=bound)
+
+
+def _check_ints(name: str, values: object, job_id: int) -> tuple[int, ...]:
+    """A tuple of plain ints (wrong Python types are argument errors, not copy errors).
+
+    Only tuples and lists, at most ``MAX_IDS_PER_GROUP`` long, checked before they are
+    copied: a tensor, a generator or ``range(10**12)`` is refused, not materialised.
+    """
+    if not isinstance(values, (tuple, list)):
+        raise TransferArgumentError(name, f"{short_repr(values)} must be a tuple of ints, not "
+                                          f"{type(values).__name__} (use .tolist() on a tensor)",
+                                    job_id=job_id)
+    if len(values) > MAX_IDS_PER_GROUP:
+        raise TransferArgumentError(name, f"holds {len(values)} ids; at most "
+                                          f"{MAX_IDS_PER_GROUP} per group and job",
+                                    value=len(values), bound=MAX_IDS_PER_GROUP, job_id=job_id)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TransferArgumentError(name, f"holds {short_repr(v)} ({type(v).__name__}); "
+                                              "ids must be ints", job_id=job_id)
+    return tuple(values)
+
+
+def short_repr(value: object) -> str:
+    """A repr cut to a readable length (messages name the value without flooding a log)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:56] + "...>"
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A checked plan turned into one descriptor table (all groups, all tensors)."""
+
+    table: DescriptorTable
+    nbytes: int
+    offsets: tuple[int, ...]  # first descriptor of each group
+    context: str
+    roles: tuple[str, str]
+
+    def group_of(self, index: int) -> int:
+        return bisect.bisect_right(self.offsets, index) - 1
+
+
+def _roles(kind: JobKind) -> tuple[tuple[str, str], Side, Side]:
+    """(source and destination role names, the GPU side, the CPU side) of a job kind."""
+    if kind is JobKind.STORE:
+        return ("GPU block", "CPU chunk"), Side.SRC, Side.DST
+    return ("CPU chunk", "GPU block"), Side.DST, Side.SRC
+
+
+@dataclass(frozen=True)
+class _GroupIds:
+    """One group's ids after the type checks: plain ints, ready for the range checks."""
+
+    ids: tuple[int, ...]
+    block_index: int
+    slots: tuple[int, ...]
+
+
+def _normalize_group(plan: TransferPlan, g: int, gt: object) -> _GroupIds:
+    """Type checks (TransferArgumentError, a ValueError) for one group's share of a plan."""
+    job = plan.job_id
+    if not isinstance(gt, GroupTransfer):
+        raise TransferArgumentError(f"job {job} plan.groups[{g}]", f"{short_repr(gt)} must be "
+                                    "a GroupTransfer", job_id=job)
+    ids = _check_ints(f"job {job} group {g} gpu_block_ids", gt.gpu_block_ids, job)
+    slots = _check_ints(f"job {job} group {g} cpu_slots", gt.cpu_slots, job)
+    (block_index,) = _check_ints(f"job {job} group {g} block_index", (gt.block_index,), job)
+    return _GroupIds(ids, block_index, slots)
+
+
+def _check_group_ranges(plan: TransferPlan, g: int, grp: _GroupIds, bpc: int,
+                        num_gpu_blocks: int, num_cpu_blocks: int, first: int,
+                        total: int) -> None:
+    """B1 in Python, with names: ids in range, null block refused, shape, no double write."""
+    roles, gpu_side, cpu_side = _roles(plan.kind)
+    ctx = f"{plan.kind.value}, job {plan.job_id}, group {g}"
+
+    def fail(status: int, i: int, value: int, bound: int, side: int) -> KVCopyError:
+        rec = ErrorRecord(status, first + i, value, bound, side)
+        return _native.make_error(rec, num_descs=total, context=ctx, roles=roles,
+                                  job_id=plan.job_id, group=g)
+
+    if grp.block_index < 0:
+        raise _kv_error(f"{ctx}: block_index={grp.block_index} is negative; no bytes were "
+                        "copied.", Status.E_NEGATIVE, job_id=plan.job_id, group=g,
+                        index=first, value=grp.block_index, bound=0)
+    expected = chunks_spanned(len(grp.ids), grp.block_index, bpc)
+    if len(grp.slots) != expected:
+        raise _kv_error(
+            f"{ctx}: {len(grp.ids)} GPU blocks from block_index {grp.block_index} with "
+            f"blocks_per_chunk={bpc} span {expected} chunks, but {len(grp.slots)} cpu_slots "
+            "were given; no bytes were copied.", Status.E_SHAPE, job_id=plan.job_id,
+            group=g, index=first, value=len(grp.slots), bound=expected)
+    for i, b in enumerate(grp.ids):
+        if not 0 < b < num_gpu_blocks:
+            status = Status.E_NULL_ROW if b == 0 else Status.E_ROW_RANGE
+            raise fail(status, i, b, num_gpu_blocks, gpu_side)
+    lead = grp.block_index % bpc
+    for c, s in enumerate(grp.slots):
+        if not 0 <= s < num_cpu_blocks:
+            raise fail(Status.E_ROW_RANGE, max(0, c * bpc - lead), s, num_cpu_blocks, cpu_side)
+    written = grp.ids if plan.kind is JobKind.LOAD else grp.slots
+    seen: set[int] = set()
+    for pos, x in enumerate(written):
+        if x in seen:
+            i = pos if plan.kind is JobKind.LOAD else max(0, pos * bpc - lead)
+            what = "GPU block" if plan.kind is JobKind.LOAD else "CPU chunk"
+            raise _kv_error(f"{ctx}: destination {what} {x} is written twice in one job; "
+                            "no bytes were copied.", Status.E_DST_OVERLAP, job_id=plan.job_id,
+                            group=g, index=first + i, value=x, bound=len(seen))
+        seen.add(x)
+
+
+def _group_table(kind: JobKind, grp: _GroupIds, bpc: int,
+                 regs: Sequence[_Registered]) -> torch.Tensor:
+    """The (tensors x blocks, 7) descriptor rows of one group, tensor-major (C coalesces)."""
+    n, t = len(grp.ids), len(regs)
+    i64 = torch.int64
+    pos = torch.arange(n, dtype=i64) + grp.block_index % bpc
+    cpu_row = torch.tensor(grp.slots, dtype=i64)[pos // bpc].expand(t, n)
+    gpu_row = torch.tensor(grp.ids, dtype=i64).expand(t, n)
+    row_bytes = torch.tensor([r.row_bytes for r in regs], dtype=i64).unsqueeze(1)
+    cpu_off = (pos % bpc).unsqueeze(0) * row_bytes
+    gpu_reg = torch.tensor([r.gpu_region for r in regs], dtype=i64).unsqueeze(1).expand(t, n)
+    cpu_reg = torch.tensor([r.cpu_region for r in regs], dtype=i64).unsqueeze(1).expand(t, n)
+    zero = torch.zeros((t, n), dtype=i64)
+    size = row_bytes.expand(t, n)
+    if kind is JobKind.STORE:
+        cols = [gpu_reg, gpu_row, zero, cpu_reg, cpu_row, cpu_off, size]
+    else:
+        cols = [cpu_reg, cpu_row, cpu_off, gpu_reg, gpu_row, zero, size]
+    return torch.stack(cols, dim=2).reshape(t * n, 7)
+
+
+
+def check_plan(plan: object) -> TransferPlan:
+    """The plan's own types (TransferArgumentError): what submit() refuses to queue."""
+    if not isinstance(plan, TransferPlan):
+        raise _bad("plan", f"must be a TransferPlan, not {type(plan).__name__}")
+    job = plan.job_id
+    if isinstance(job, bool) or not isinstance(job, int) or not 0 <= job <= MAX_JOB_ID:
+        raise _bad("plan.job_id", f"{short_repr(job)} must be an int in 0..{MAX_JOB_ID}")
+    if not isinstance(plan.kind, JobKind):
+        raise TransferArgumentError("plan.kind", f"{short_repr(plan.kind)} must be a "
+                                    "JobKind (STORE or LOAD)", job_id=job)
+    if not isinstance(plan.groups, (tuple, list)):
+        raise TransferArgumentError("plan.groups", f"{short_repr(plan.groups)} must be a "
+                                    "tuple of GroupTransfer", job_id=job)
+    return plan
+
+
+def prepare_plan(plan: object, cfg: OffloadConfig, registered: Sequence[Sequence[_Registered]],
+                 capacities: Sequence[int]) -> _Job:
+    """Check a plan in Python (naming job, group and role) and build its table.
+
+    ``registered`` and ``capacities`` are the engine's tensors and CPU slots per group;
+    every id is range-checked against them before any descriptor is built.
+    """
+    plan = check_plan(plan)
+    if len(plan.groups) != len(cfg.groups):
+        raise _kv_error(
+            f"job {plan.job_id} has {len(plan.groups)} group entries but the config has "
+            f"{len(cfg.groups)} groups (one GroupTransfer per group, possibly empty); "
+            "no bytes were copied.", Status.E_SHAPE, job_id=plan.job_id, group=0,
+            index=None, value=len(plan.groups), bound=len(cfg.groups))
+    groups = [_normalize_group(plan, g, gt) for g, gt in enumerate(plan.groups)]
+    counts = [len(grp.ids) * len(registered[g]) for g, grp in enumerate(groups)]
+    offsets = [sum(counts[:g]) for g in range(len(counts))]
+    total = sum(counts)
+    if total > MAX_IDS_PER_GROUP:
+        raise _kv_error(f"job {plan.job_id} needs {total} descriptors (ids x tensors); one "
+                        f"call takes at most {MAX_IDS_PER_GROUP}: split the job; no bytes "
+                        "were copied.", Status.E_LIMIT, job_id=plan.job_id, group=0,
+                        index=None, value=total, bound=MAX_IDS_PER_GROUP)
+    for g, grp in enumerate(groups):
+        _check_group_ranges(plan, g, grp, cfg.groups[g].blocks_per_chunk, cfg.num_gpu_blocks,
+                            capacities[g], offsets[g], total)
+    parts = [_group_table(plan.kind, grp, cfg.groups[g].blocks_per_chunk, registered[g])
+             for g, grp in enumerate(groups) if grp.ids]
+    table = torch.cat(parts).contiguous() if parts else torch.zeros((0, 7), dtype=torch.int64)
+    nbytes = sum(len(grp.ids) * sum(r.row_bytes for r in registered[g])
+                 for g, grp in enumerate(groups))
+    roles, _, _ = _roles(plan.kind)
+    return _Job(DescriptorTable.from_address(table.data_ptr(), total, table), nbytes,
+                tuple(offsets), f"{plan.kind.value}, job {plan.job_id}", roles)
