@@ -45,6 +45,8 @@ STAGES = ("directed", "simulations", "state machine", "refinement", "bad calls",
           "copy library")
 # Seeds the "bad calls" stage runs (each with at most 40 bad twins of real calls).
 HOSTILE_SEEDS = 6
+# Failure kinds that do not say which rule broke; the battery goes on past them.
+UNNAMED = ("crash", "liveness")
 # Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
 COPY_CASES = 6000
 POLICIES = ("lru", "arc")
@@ -287,6 +289,7 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
                                       preset=preset, apply=apply, hostile=True),
         "copy library": lambda: run_copy(config, COPY_CASES, result, preset),
     }
+    unnamed: Failure | None = None
     for stage in STAGES:
         t0 = time.perf_counter()
         runs[stage]()
@@ -295,8 +298,15 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
             state = "FAILED" if result.failure else "ok"
             progress(f"  {stage:<14} {state:<6} {result.stages[stage]:6.1f}s "
                      f"(total {time.perf_counter() - start:.1f}s)")
+        if result.failure is not None and result.failure.kind in UNNAMED:
+            # A crash or a hang says that something broke, not what: the later stages run
+            # on, since one of them (the refinement's lock step above all) may name it.
+            unnamed = unnamed or result.failure
+            result.failure = None
         if result.failure is not None:
             break
+    if result.failure is None:
+        result.failure = unnamed
     result.seconds = time.perf_counter() - start
     return result
 
