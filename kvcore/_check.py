@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -47,6 +49,32 @@ STAGES = ("directed", "simulations", "state machine", "refinement", "bad calls",
 HOSTILE_SEEDS = 6
 # Failure kinds that do not say which rule broke; the battery goes on past them.
 UNNAMED = ("crash", "liveness")
+# A stage that runs longer than this (a loop that never ends) is stopped as a liveness
+# failure, so an engine's CI gets an answer. Stages take 1-30 s on a busy 2-core machine.
+STAGE_SECONDS = 900.0
+
+
+class StageHang(AssertionError):
+    """A stage ran past ``STAGE_SECONDS``: something in it does not terminate."""
+
+
+@contextlib.contextmanager
+def watchdog(stage: str, seconds: float = STAGE_SECONDS) -> Iterator[None]:
+    """Interrupt the stage with StageHang after ``seconds`` (and every 5 s after that, so
+    a shrinking state machine is stopped too); only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_sig: int, _frame: object) -> None:
+        raise StageHang(f"stage {stage!r} ran past {seconds:.0f} s (a loop that never ends?)")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 5.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 # Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
 COPY_CASES = 6000
 POLICIES = ("lru", "arc")
@@ -110,7 +138,8 @@ def classify(exc: BaseException) -> tuple[str, list[str]]:
         return "integrity", [exc.id]
     if isinstance(exc, KVCopyError):
         return "invariant", ["B1"]
-    if isinstance(exc, AssertionError) and "settle" in str(exc):
+    if isinstance(exc, StageHang) or (isinstance(exc, AssertionError)
+                                      and "settle" in str(exc)):
         return "liveness", ["liveness"]
     return "crash", [type(exc).__name__]
 
@@ -292,7 +321,11 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
     unnamed: Failure | None = None
     for stage in STAGES:
         t0 = time.perf_counter()
-        runs[stage]()
+        try:
+            with watchdog(stage):
+                runs[stage]()
+        except StageHang as exc:  # raised outside a stage's own error handling
+            result.failure = Failure("liveness", ["liveness"], str(exc), "", stage, "")
         result.stages[stage] = time.perf_counter() - t0
         if progress is not None:
             state = "FAILED" if result.failure else "ok"
