@@ -8,6 +8,8 @@ request, a job, a GPU id), so a step costs O(new work), never O(context).
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import overload
@@ -79,9 +81,16 @@ class RequestState:
     # (computed_tokens, hit) of the latest lookup that answered a number: the only load
     # after_alloc accepts. None after PENDING or once after_alloc consumed it.
     looked_up: tuple[int, int] | None = None
-    # GPU ids this request has entries for in the scheduler's window index, so finishing
-    # or rebuilding its tables removes exactly those entries.
-    window_ids: set[int] = field(default_factory=set)
+    # Per window-group table position, the step that placed its id there (empty for FULL
+    # groups): the id is stale once it was allocated again at a later step
+    # (``StaleWindows``). 8 bytes a position, no per-id Python objects.
+    placed: list[array[int]] = field(default_factory=list)
+
+    def clear_tables(self) -> None:
+        """Forget every block table (the engine resends them whole)."""
+        n = len(self.tables)
+        self.tables = [[] for _ in range(n)]
+        self.placed = [array("q") for _ in range(n)]
 
     @classmethod
     def fresh(cls, cfg: OffloadConfig, request_id: str, prompt_tokens: int,
@@ -91,7 +100,8 @@ class RequestState:
         n = len(cfg.groups)
         keys = [GroupKeys(hashes, cfg.hashes_per_chunk(g), g) for g in range(n)]
         return cls(request_id, prompt_tokens, max_offload_tokens, skip_reading, hashes,
-                   keys, [[] for _ in range(n)], [0] * n)
+                   keys, [[] for _ in range(n)], [0] * n,
+                   placed=[array("q") for _ in range(n)])
 
 
 @dataclass
@@ -170,3 +180,50 @@ class JobTable:
         self.loading.clear()
         self.stale_below = self.next_id
 
+
+
+class StaleWindows:
+    """Which window-table positions hold an id the engine freed and handed out again.
+
+    A window or Mamba block id allocated at step ``s`` is stale in every table position
+    that received it at an earlier step: that block now holds another request's KV, and
+    storing it under the old key would poison the tier. Instead of an index from each id
+    to the positions holding it (a dict entry and tuple per window block, about 400 bytes
+    per hash block at 128K tokens, and a walk over it every step), each id keeps the step
+    it was last allocated at, each position the step it was placed at, and a position is
+    checked (and zeroed, once and for good) only when a store is about to read it. The
+    answer is the same: staleness only ever goes from false to true.
+    """
+
+    __slots__ = ("allocated_at", "step")
+
+    def __init__(self) -> None:
+        self.step = 0
+        # allocated_at[id]: the latest step ``id`` was in ``allocated_ids`` (0: never).
+        # Ids are below ``num_gpu_blocks``; the array grows to the largest id seen.
+        self.allocated_at: array[int] = array("q")
+
+    def advance(self, allocated: frozenset[int]) -> None:
+        """A new step whose ``allocated_ids`` (validated: 1..num_gpu_blocks-1) are these."""
+        self.step += 1
+        if not allocated:
+            return
+        at = self.allocated_at
+        top = max(allocated) + 1
+        if top > len(at):
+            at.frombytes(bytes(8 * (top - len(at))))
+        step = self.step
+        for gpu_id in allocated:
+            at[gpu_id] = step
+
+    def zero_stale(self, table: list[int], placed: array[int], lo: int, hi: int) -> None:
+        """Zero the stale ids of ``table[lo:hi]`` (``placed`` is non-decreasing: tables
+        only grow, one step after another, so positions placed this step are skipped)."""
+        step, at = self.step, self.allocated_at
+        # Positions placed this step come last and cannot be stale (nothing was allocated
+        # after them), so a prefill's whole table costs one bisection.
+        hi = bisect_left(placed, step, lo, max(lo, min(hi, len(placed))))
+        for pos in range(lo, hi):
+            gpu_id = table[pos]
+            if gpu_id and gpu_id < len(at) and at[gpu_id] > placed[pos]:
+                table[pos] = 0

@@ -11,6 +11,7 @@ hook's records to ``kvcore.spec.invariants``.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -19,7 +20,7 @@ from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
 from kvcore.scheduler._rules import load_plan, served_chunks
-from kvcore.scheduler._state import Job, JobTable, RequestState
+from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
 from kvcore.spec.errors import (
     ArgumentRangeError,
     ArgumentTypeError,
@@ -92,7 +93,8 @@ class OffloadScheduler:
         self._reqs: dict[str, RequestState] = {}
         self._jobs = JobTable()
         self._queued_loads: list[TransferPlan] = []
-        self._window_index: dict[int, list[tuple[RequestState, int, int]]] = {}
+        self._stale = StaleWindows()
+        self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
@@ -163,8 +165,7 @@ class OffloadScheduler:
         if not 0 <= computed_tokens <= num_tokens:
             raise BadStepError(f"request {request_id!r}: computed_tokens={computed_tokens} "
                                f"outside 0..{num_tokens}")
-        self._unindex(req)
-        req.tables = [[] for _ in self.config.groups]
+        req.clear_tables()
         req.looked_up = None
         self._stats.lookups += 1
         if req.jobs:
@@ -328,13 +329,12 @@ class OffloadScheduler:
         the scheduler as it was.
         """
         self._hash_len = self._validate_step(step)
-        self._zero_stale_window_blocks(step.allocated_ids)
+        self._stale.advance(step.allocated_ids)
         flush: set[int] = self._jobs.jobs_reading(step.allocated_ids)
         for request_id in step.preempted:
             req = self._req(request_id)
             flush |= req.jobs
-            self._unindex(req)
-            req.tables = [[] for _ in self.config.groups]
+            req.clear_tables()
         if self.check:
             self._enforce([FenceRecord(step.allocated_ids, self._jobs.fenced_sources(),
                                  frozenset(flush))])
@@ -396,55 +396,23 @@ class OffloadScheduler:
         if sr.new_hashes:
             req.hashes.extend(sr.new_hashes)
         if sr.resumed:
-            self._unindex(req)
-            req.tables = [[] for _ in self.config.groups]
+            req.clear_tables()
+        stamp = array("q", (self._stale.step,))
         for group, ids in enumerate(sr.new_block_ids):
-            table = req.tables[group]
-            if self.config.groups[group].kind is not GroupKind.FULL:
-                for offset, gpu_id in enumerate(ids):
-                    if gpu_id:
-                        self._window_index.setdefault(gpu_id, []).append(
-                            (req, group, len(table) + offset))
-                        req.window_ids.add(gpu_id)
-            table.extend(ids)
-
-    def _unindex(self, req: RequestState) -> None:
-        """Remove ``req``'s window-index entries (its tables are rebuilt, or it is gone),
-        so the index holds only live tables: O(the request's window blocks)."""
-        index = self._window_index
-        for gpu_id in req.window_ids:
-            entries = index.get(gpu_id)
-            if entries is None:
-                continue
-            kept = [e for e in entries if e[0] is not req]
-            if kept:
-                index[gpu_id] = kept
-            else:
-                del index[gpu_id]
-        req.window_ids.clear()
+            if ids:
+                req.tables[group].extend(ids)
+                if self._window_groups[group]:
+                    req.placed[group].extend(stamp * len(ids))
 
     def _drop(self, request_id: str) -> None:
         """Stop tracking a request; nothing of it stays reachable."""
-        self._unindex(self._reqs.pop(request_id))
-
-    def _zero_stale_window_blocks(self, allocated: frozenset[int]) -> None:
-        """A window or Mamba block the engine freed and handed out again must not be stored
-        under its old key: zero its old position. Positions behind the store cursor are
-        zeroed too, because ``reset`` moves every cursor back to 0.
-        """
-        for gpu_id in allocated:
-            entries = self._window_index.pop(gpu_id, None)
-            for req, group, pos in entries or ():
-                req.window_ids.discard(gpu_id)
-                table = req.tables[group]
-                if pos < len(table) and table[pos] == gpu_id:
-                    table[pos] = 0
+        del self._reqs[request_id]
 
     def _store_step(self, req: RequestState, sr: ScheduledRequest) -> TransferPlan | None:
         if any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
             return None
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
-        draft = _store.draft_store(self.config, req, frontier)
+        draft = _store.draft_store(self.config, req, frontier, self._stale)
         if not draft.keys:
             self._move_cursors(req, draft)
             if self.check:
