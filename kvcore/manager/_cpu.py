@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections import Counter, deque
 from collections.abc import Sequence
+from itertools import groupby
 
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
@@ -322,29 +323,50 @@ class CPUOffloadManager(OffloadManager):
         return PrepareStoreResult(tuple(to_store), slots, tuple(victims))
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
-        """WRITING keys become READY (one stored event) or are dropped (no event)."""
+        """WRITING keys become READY (one stored event) or are dropped (no event).
+
+        A prefill's store completes thousands of keys at once, so the READY path makes
+        one pass marking entries and hands each pool its run of keys in one call.
+        """
         check_keys("complete_store", keys)
         check_success("complete_store", success)
-        entries = self._entries
+        if not success:
+            self._fail_store(keys)
+            return
         done: list[Key] = []
+        pools: list[_Pool] = []
+        # Lazy map: a key listed twice sees its entry already READY the second time.
+        for key, entry in zip(keys, map(self._entries.get, keys), strict=True):
+            if entry is None or entry.ready:
+                continue  # READY before this store, or absent: not this store's key
+            entry.ready = True
+            done.append(key)
+            pools.append(entry.pool)
+        if not done:
+            return
+        start = 0
+        # A store's keys come group by group, so each pool gets one run (or a few).
+        for pool, run in groupby(pools):
+            n = sum(1 for _ in run)
+            pool.writing -= n
+            pool.policy.ready_many(done[start:start + n])
+            start += n
+        self._emit(ManagerEvent(tuple(done), removed=False))
+        self._stored_keys += len(done)
+
+    def _fail_store(self, keys: Sequence[Key]) -> None:
+        """A failed store's WRITING keys leave no trace (X1)."""
+        entries = self._entries
         for key in keys:
             entry = entries.get(key)
             if entry is None or entry.ready:
-                continue  # READY before this store, or absent: not this store's key
-            done.append(key)
+                continue
             pool = entry.pool
             pool.writing -= 1
-            if success:
-                entry.ready = True
-                pool.policy.ready(key)
-            else:
-                del entries[key]
-                pool.used -= 1
-                pool.free.append(entry.slot)
-                pool.policy.discard(key)
-        if success and done:
-            self._emit(ManagerEvent(tuple(done), removed=False))
-            self._stored_keys += len(done)
+            del entries[key]
+            pool.used -= 1
+            pool.free.append(entry.slot)
+            pool.policy.discard(key)
 
     def take_events(self) -> list[ManagerEvent]:
         events, self._events, self._event_keys = list(self._events), deque(), 0

@@ -39,6 +39,12 @@ class LRUPolicy(EvictionPolicy):
     def ready(self, key: Key) -> None:
         self._order[key] = None
 
+    def ready_many(self, keys: Sequence[Key]) -> None:
+        # OrderedDict.update(dict) is ~4x slower per key than item assignment.
+        order = self._order
+        for key in keys:
+            order[key] = None
+
     def discard(self, key: Key) -> None:
         """A failed WRITING key never entered the order; nothing to undo."""
 
