@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from collections import Counter, deque
 from collections.abc import Sequence
-from itertools import groupby
+from itertools import groupby, repeat
 
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
@@ -45,6 +45,7 @@ from kvcore.spec.manager_model import (
 )
 from kvcore.spec.types import (
     DEFAULT_MAX_PENDING_EVENTS,
+    KEY_GROUP_BYTES,
     MAX_GROUPS,
     Key,
     OffloadConfig,
@@ -230,12 +231,17 @@ class CPUOffloadManager(OffloadManager):
     def touch(self, keys: Sequence[Key]) -> None:
         """Each group's keys refresh that group's policy, in call order within the group."""
         check_keys("touch", keys)
+        if not keys:
+            return
         pools = self._pools
-        if len(pools) == 1:
-            ((only, sole),) = pools.items()
-            if all(key_group(key) == only for key in keys):
-                sole.policy.touch(keys)
-                return
+        # The scheduler touches one group at a time: when every key ends with the first
+        # key's group bytes (one C-level pass), the batch goes to that pool whole.
+        suffix = keys[0][-KEY_GROUP_BYTES:]
+        if all(map(bytes.endswith, keys, repeat(suffix))):
+            pool = pools.get(key_group(keys[0]))
+            if pool is not None:
+                pool.policy.touch(keys)
+            return
         by_group: dict[int, list[Key]] = {}
         for key in keys:
             by_group.setdefault(key_group(key), []).append(key)

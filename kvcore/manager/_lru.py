@@ -50,9 +50,11 @@ class LRUPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[Key]) -> None:
         order = self._order
-        for key in reversed(keys):
-            if key in order:
-                order.move_to_end(key)
+        move = order.move_to_end
+        # Most keys a lookup touches are absent (a window's unstored chunks): the filter
+        # drops them in C; moving a key does not change which keys are present.
+        for key in filter(order.__contains__, reversed(keys)):
+            move(key)
 
     def choose(self, n: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         if n <= 0:

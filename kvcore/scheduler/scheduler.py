@@ -19,7 +19,7 @@ from typing import Any
 from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
-from kvcore.scheduler._rules import load_plan, served_chunks
+from kvcore.scheduler._rules import load_plan, needed_chunks, served_chunks
 from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
 from kvcore.spec.errors import (
     ArgumentRangeError,
@@ -209,13 +209,41 @@ class OffloadScheduler:
 
         optimistic = run(lambda g, i: status(g, i) is not Status.MISS)
         conv = optimistic
-        if any(s is Status.PENDING for s in statuses.values()):
-            conv = run(lambda g, i: status(g, i) is Status.HIT)
+        # With PENDING read as MISS the hit can only be smaller; the answer is PENDING
+        # exactly when it is. Nothing to compare when the optimistic hit is already 0.
+        if optimistic.hit and Status.PENDING in statuses.values():
+            floor = self._pessimistic_floor(computed + optimistic.hit, computed)
+
+            def as_miss(g: int, i: int) -> bool:
+                if i < floor[g]:
+                    # Only a boundary below the optimistic one reads below its range:
+                    # the pessimistic hit is smaller, so the answer is PENDING now.
+                    raise _Smaller
+                return status(g, i) is Status.HIT
+
+            try:
+                conv = run(as_miss)
+            except _Smaller:
+                return PENDING, optimistic, statuses
             if conv.hit != optimistic.hit:
                 return PENDING, conv, statuses
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
             return PENDING, conv, statuses
         return conv.hit, conv, statuses
+
+    def _pessimistic_floor(self, boundary: int, computed: int) -> list[int]:
+        """Per group, the first chunk a verification at ``boundary`` reads (-1: FULL).
+
+        A window or Mamba group's range starts at or after this for every boundary at or
+        above ``boundary`` (the start only moves up with the boundary), so reading a
+        chunk below it means the loop is verifying a smaller boundary. FULL ranges start
+        at the first uncomputed chunk whatever the boundary: no floor.
+        """
+        floor = []
+        for g in self.config.groups:
+            rng = None if g.kind is GroupKind.FULL else needed_chunks(g, boundary, computed)
+            floor.append(-1 if rng is None else rng[0])
+        return floor
 
     def _being_loaded(self, req: RequestState, computed: int, hit: int) -> bool:
         if not self._jobs.loading:
@@ -623,6 +651,10 @@ class OffloadScheduler:
             records.append(FailureRecord({}, frozenset({job.plan.job_id}),
                                          frozenset(f.job_id for f in failed_loads)))
         self._enforce(records)
+
+
+class _Smaller(Exception):
+    """Raised inside the pessimistic lookup run once its hit must be the smaller one."""
 
 
 def _report_list(reports: object) -> list[WorkerReport]:
