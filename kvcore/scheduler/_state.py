@@ -3,7 +3,8 @@
 Keys are derived from the hash list when read (``GroupKeys``), never stored: a lookup of
 a 128K-token DeepSeek-V4 prompt reads about 500 of its 50K keys, and the hashes are what
 the request must keep anyway. Every index here is keyed by what a hook touches (a
-request, a job, a GPU id), so a step costs O(new work), never O(context).
+request, a job, a GPU id), so a step costs O(new work and jobs in flight), never
+O(context).
 """
 
 from __future__ import annotations
@@ -116,11 +117,17 @@ class Job:
 
 
 class JobTable:
-    """Jobs in flight, the fence index (GPU id -> store jobs reading it) and loading keys."""
+    """Jobs in flight, the GPU ids each store job fences, and the keys being loaded.
+
+    The fence is kept per job (job -> the ids it reads), not per id: a prefill's store
+    reads thousands of blocks, and registering then unregistering each of them cost more
+    than the rest of its completion. The per-step question ("which jobs read any of the
+    ids allocated now?") asks each job in flight once, with a C-level set test.
+    """
 
     def __init__(self) -> None:
         self.jobs: dict[int, Job] = {}
-        self.fence: dict[int, set[int]] = {}
+        self.fenced: dict[int, frozenset[int]] = {}
         self.loading: dict[Key, int] = {}
         self.next_id = 1
         self.stale_below = 1
@@ -139,8 +146,10 @@ class JobTable:
 
     def fence_ids(self, job_id: int, ids: frozenset[int]) -> None:
         """Register ``ids`` as read by ``job_id`` until it completes (F1)."""
-        for gpu_id in ids:
-            self.fence.setdefault(gpu_id, set()).add(job_id)
+        if not ids:
+            return
+        held = self.fenced.get(job_id)
+        self.fenced[job_id] = ids if held is None else held | ids
 
     def remove(self, job_id: int) -> Job:
         job = self.jobs.pop(job_id)
@@ -151,35 +160,24 @@ class JobTable:
                     self.loading[key] = left
                 else:
                     del self.loading[key]
-        for gpu_id in job.window_sources | job.other_sources:
-            readers = self.fence.get(gpu_id)
-            if readers is not None:
-                readers.discard(job_id)
-                if not readers:
-                    del self.fence[gpu_id]
+        self.fenced.pop(job_id, None)
         return job
 
     def jobs_reading(self, ids: frozenset[int]) -> set[int]:
         """Store jobs whose fenced sources include any of ``ids``."""
-        out: set[int] = set()
-        for gpu_id in ids:
-            out |= self.fence.get(gpu_id, set())
-        return out
+        if not ids:
+            return set()
+        return {job_id for job_id, held in self.fenced.items() if not held.isdisjoint(ids)}
 
     def fenced_sources(self) -> dict[int, frozenset[int]]:
-        """job -> fenced GPU ids (for the F1 check; O(fence), used only with checks on)."""
-        out: dict[int, set[int]] = {}
-        for gpu_id, jobs in self.fence.items():
-            for job_id in jobs:
-                out.setdefault(job_id, set()).add(gpu_id)
-        return {j: frozenset(ids) for j, ids in out.items()}
+        """job -> fenced GPU ids (for the F1 check)."""
+        return dict(self.fenced)
 
     def clear(self) -> None:
         self.jobs.clear()
-        self.fence.clear()
+        self.fenced.clear()
         self.loading.clear()
         self.stale_below = self.next_id
-
 
 
 class StaleWindows:

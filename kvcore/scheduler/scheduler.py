@@ -19,7 +19,7 @@ from typing import Any
 from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
-from kvcore.scheduler._rules import load_plan, needed_chunks, served_chunks
+from kvcore.scheduler._rules import load_plan, needed_chunks, served_chunks, storable_prefix
 from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
 from kvcore.spec.errors import (
     ArgumentRangeError,
@@ -95,6 +95,7 @@ class OffloadScheduler:
         self._queued_loads: list[TransferPlan] = []
         self._stale = StaleWindows()
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
+        self._chunk_tokens = tuple(g.tokens_per_chunk for g in config.groups)
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
@@ -437,9 +438,13 @@ class OffloadScheduler:
         del self._reqs[request_id]
 
     def _store_step(self, req: RequestState, sr: ScheduledRequest) -> TransferPlan | None:
-        if any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
+        if req.jobs and any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
             return None
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
+        if not self.check and not self._chunk_completed(req, frontier):
+            # Most decode steps complete no chunk: no offer, no cursor moves, no records
+            # to check (with checks on the full path runs, to hand E1/E2 their records).
+            return None
         draft = _store.draft_store(self.config, req, frontier, self._stale)
         if not draft.keys:
             self._move_cursors(req, draft)
@@ -470,6 +475,16 @@ class OffloadScheduler:
             self._enforce([*_store.store_records(self.config, draft, built, True),
                            JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id))])
         return built.plan
+
+    def _chunk_completed(self, req: RequestState, frontier: int) -> bool:
+        """Whether any group has a chunk at or past its cursor inside the storable prefix
+        (``draft_store`` offers nothing otherwise)."""
+        storable = storable_prefix(self.config, frontier, req.prompt_tokens,
+                                   req.max_offload_tokens)
+        for tokens, cursor in zip(self._chunk_tokens, req.cursors, strict=True):
+            if storable // tokens > cursor:
+                return True
+        return False
 
     @staticmethod
     def _move_cursors(req: RequestState, draft: _store.StoreDraft) -> None:
