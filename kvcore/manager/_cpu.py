@@ -194,6 +194,13 @@ class CPUOffloadManager(OffloadManager):
             return Status.MISS
         return Status.HIT if entry.ready else Status.PENDING
 
+    def lookup_many(self, keys: Sequence[Key]) -> list[Status]:
+        """``lookup`` of each key, in one call (a lookup reads keys in blocks)."""
+        check_keys("lookup_many", keys)
+        hit, pending, miss = Status.HIT, Status.PENDING, Status.MISS
+        return [miss if e is None else hit if e.ready else pending
+                for e in map(self._entries.get, keys)]
+
     def state_of(self, key: Key) -> str | None:
         """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
         check_key("state_of", key)

@@ -9,7 +9,7 @@ refresh a chunk, only ``touch`` does. Upstream's scenario depends on it: after a
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from kvcore.manager._policy import EvictionPolicy
@@ -50,11 +50,10 @@ class LRUPolicy(EvictionPolicy):
 
     def touch(self, keys: Sequence[Key]) -> None:
         order = self._order
-        move = order.move_to_end
         # Most keys a lookup touches are absent (a window's unstored chunks): the filter
-        # drops them in C; moving a key does not change which keys are present.
-        for key in filter(order.__contains__, reversed(keys)):
-            move(key)
+        # drops them in C, and the moves run in C too (a zero-length deque consumes the
+        # map); moving a key does not change which keys are present.
+        deque(map(order.move_to_end, filter(order.__contains__, reversed(keys))), maxlen=0)
 
     def choose(self, n: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         if n <= 0:

@@ -18,7 +18,14 @@ from typing import Any
 
 from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
-from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
+from kvcore.scheduler._lookup import (
+    Convergence,
+    HitTest,
+    Smaller,
+    StatusReader,
+    converge,
+    reach_chunks,
+)
 from kvcore.scheduler._rules import load_plan, needed_chunks, served_chunks, storable_prefix
 from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
 from kvcore.spec.errors import (
@@ -189,15 +196,8 @@ class OffloadScheduler:
 
     def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int,
                     max_tokens: int | None = None
-                    ) -> tuple[LookupResult, Convergence, dict[tuple[int, int], Status]]:
-        statuses: dict[tuple[int, int], Status] = {}
-
-        def status(group: int, idx: int) -> Status:
-            s = statuses.get((group, idx))
-            if s is None:
-                s = statuses[(group, idx)] = self.manager.lookup(req.keys[group][idx])
-            return s
-
+                    ) -> tuple[LookupResult, Convergence, list[list[Status | None]]]:
+        reader = StatusReader(req.keys, self.manager)
         num_keys = [len(k) for k in req.keys]
 
         def run(is_hit: Callable[[int, int], bool]) -> Convergence:
@@ -208,29 +208,23 @@ class OffloadScheduler:
             return converge(self.config, computed, num_tokens, num_keys, is_hit,
                             max_tokens=max_tokens)
 
-        optimistic = run(lambda g, i: status(g, i) is not Status.MISS)
+        optimistic = run(HitTest(reader, pending_is_hit=True))
         conv = optimistic
         # With PENDING read as MISS the hit can only be smaller; the answer is PENDING
         # exactly when it is. Nothing to compare when the optimistic hit is already 0.
-        if optimistic.hit and Status.PENDING in statuses.values():
+        # Only a boundary below the optimistic one reads below its range (the floor), so
+        # such a read means the pessimistic hit is smaller: PENDING, answered at once.
+        if optimistic.hit and reader.saw_pending():
             floor = self._pessimistic_floor(computed + optimistic.hit, computed)
-
-            def as_miss(g: int, i: int) -> bool:
-                if i < floor[g]:
-                    # Only a boundary below the optimistic one reads below its range:
-                    # the pessimistic hit is smaller, so the answer is PENDING now.
-                    raise _Smaller
-                return status(g, i) is Status.HIT
-
             try:
-                conv = run(as_miss)
-            except _Smaller:
-                return PENDING, optimistic, statuses
+                conv = run(HitTest(reader, pending_is_hit=False, floor=floor))
+            except Smaller:
+                return PENDING, optimistic, reader.known
             if conv.hit != optimistic.hit:
-                return PENDING, conv, statuses
+                return PENDING, conv, reader.known
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
-            return PENDING, conv, statuses
-        return conv.hit, conv, statuses
+            return PENDING, conv, reader.known
+        return conv.hit, conv, reader.known
 
     def _pessimistic_floor(self, boundary: int, computed: int) -> list[int]:
         """Per group, the first chunk a verification at ``boundary`` reads (-1: FULL).
@@ -666,10 +660,6 @@ class OffloadScheduler:
             records.append(FailureRecord({}, frozenset({job.plan.job_id}),
                                          frozenset(f.job_id for f in failed_loads)))
         self._enforce(records)
-
-
-class _Smaller(Exception):
-    """Raised inside the pessimistic lookup run once its hit must be the smaller one."""
 
 
 def _report_list(reports: object) -> list[WorkerReport]:

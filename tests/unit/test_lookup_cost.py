@@ -21,6 +21,7 @@ import pytest
 from kvcore.manager import CPUOffloadManager
 from kvcore.presets import preset
 from kvcore.scheduler import OffloadScheduler, RequestInfo
+from kvcore.spec.errors import ArgumentTypeError, BadKeyError
 from kvcore.spec.manager_model import ReferenceManager
 from kvcore.spec.model import ReferenceScheduler
 from kvcore.spec.types import (
@@ -30,6 +31,7 @@ from kvcore.spec.types import (
     OffloadConfig,
     Status,
     group_keys,
+    make_key,
 )
 
 DRAFT_WINDOW = OffloadConfig((GroupSpec(GroupKind.FULL, 8),
@@ -100,6 +102,23 @@ class CountingTier(CPUOffloadManager):
     def lookup(self, key: bytes) -> Status:
         self.reads += 1
         return super().lookup(key)
+
+    def lookup_many(self, keys: Any) -> list[Status]:
+        self.reads += len(keys)
+        return super().lookup_many(keys)
+
+
+def test_lookup_many_answers_as_lookup_and_checks_its_keys() -> None:
+    tier = CPUOffloadManager(8)
+    keys = [make_key(bytes([i]) * 8, 0) for i in range(6)]
+    set_states([tier], keys[:4], [Status.HIT, Status.PENDING, Status.HIT, Status.PENDING])
+    assert tier.lookup_many(keys) == [tier.lookup(k) for k in keys] == [
+        Status.HIT, Status.PENDING, Status.HIT, Status.PENDING, Status.MISS, Status.MISS]
+    assert tier.lookup_many([]) == []
+    with pytest.raises(BadKeyError):
+        tier.lookup_many([keys[0], "not a key"])
+    with pytest.raises(ArgumentTypeError):
+        tier.lookup_many(keys[0])
 
 
 def test_second_run_stops_once_its_hit_must_be_smaller() -> None:
