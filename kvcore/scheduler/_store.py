@@ -31,11 +31,12 @@ class StoreDraft:
 
 
 def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int,
-                stale: StaleWindows) -> StoreDraft:
+                stale: StaleWindows | None = None) -> StoreDraft:
     """What ``req`` offers this step: candidates from each group's cursor to its end.
 
-    Stale window positions among the candidates are zeroed first (``StaleWindows``), so
-    the offer skips them as null blocks.
+    Stale window positions among the candidates are zeroed first (``StaleWindows``; the
+    scheduler always passes its own), so the offer skips them as null blocks. Without
+    one, the tables are taken as they are (the store proofs' tables have no stale ids).
     """
     storable = storable_prefix(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
     offers = []
@@ -47,7 +48,7 @@ def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int,
             offers.append(GroupOffer(cursor, cursor))
             continue
         g = cfg.groups[group]
-        if g.kind is not GroupKind.FULL:
+        if stale is not None and g.kind is not GroupKind.FULL:
             bpc = g.blocks_per_chunk
             stale.zero_stale(req.tables[group], req.placed[group], cursor * bpc,
                              (storable // g.tokens_per_chunk) * bpc)
