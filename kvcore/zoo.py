@@ -27,7 +27,7 @@ from kvcore.scheduler import (
 from kvcore.scheduler import scheduler as _sched
 from kvcore.scheduler._lookup import Convergence
 from kvcore.scheduler._rules import GroupOffer
-from kvcore.scheduler._state import JobTable
+from kvcore.scheduler._state import JobTable, StaleWindows
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import Skip, TraceEntry, Violation
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
@@ -220,20 +220,22 @@ def _failed_counted_as_done(original: Any) -> Any:
 
 
 def _no_stale_zeroing(_original: Any) -> Any:
-    def _zero(self: OffloadScheduler, allocated: frozenset[int]) -> None:
+    def zero_stale(self: StaleWindows, *_args: Any) -> None:
         return None
-    return _zero
+    return zero_stale
 
 
-def _stale_zeroing_ahead_of_cursor_only(_original: Any) -> Any:
-    def _zero(self: OffloadScheduler, allocated: frozenset[int]) -> None:
-        for gpu_id in allocated:
-            for req, group, pos in self._window_index.pop(gpu_id, None) or ():
-                table = req.tables[group]
-                bpc = self.config.groups[group].blocks_per_chunk
-                if pos < len(table) and table[pos] == gpu_id and pos >= req.cursors[group] * bpc:
-                    table[pos] = 0
-    return _zero
+def _reset_forgets_stale_blocks(original: Any) -> Any:
+    """After a reset every table position counts as placed now: a block that went stale
+    behind the store cursor is no longer seen as stale when the cursor restarts at 0."""
+    def reset(self: OffloadScheduler) -> tuple[int, ...]:
+        flush: tuple[int, ...] = original(self)
+        for req in self._reqs.values():
+            for placed in req.placed:
+                for pos in range(len(placed)):
+                    placed[pos] = self._stale.step
+        return flush
+    return reset
 
 
 def _no_fence(_original: Any) -> Any:
@@ -424,12 +426,12 @@ MUTANTS: tuple[Mutant, ...] = (
            lambda: _factory(_FinishStoresUnwritten), _has_draft),
     Mutant("stale-window-block-stored", "vllm: a freed, re-allocated window block stored "
            "under its old key", ("gpt-oss", V4), "integrity",
-           _method_patch(OffloadScheduler, "_zero_stale_window_blocks", _no_stale_zeroing),
+           _method_patch(StaleWindows, "zero_stale", _no_stale_zeroing),
            _has_window),
     Mutant("reset-restores-stale-blocks", "kvcore (found by the simulator): after reset, "
            "stale window blocks behind the cursor are stored again", ("gpt-oss", V4),
-           "integrity", _method_patch(OffloadScheduler, "_zero_stale_window_blocks",
-                                      _stale_zeroing_ahead_of_cursor_only), _has_window),
+           "integrity", _method_patch(OffloadScheduler, "reset", _reset_forgets_stale_blocks),
+           _has_window),
     Mutant("no-fence", "a store's source block reused before the store is waited on",
            ("gpt-oss", V4), "F1", _method_patch(JobTable, "jobs_reading", _no_fence)),
     Mutant("pending-read-as-hit", "PENDING keys treated as hits: a lookup answers before "

@@ -170,6 +170,8 @@ def _pending(layout: int, num_tokens: int, bits: list[bool], pending: list[bool]
                            _jobs=SimpleNamespace(loading={}))
     fake._being_loaded = lambda req, c, hit: OffloadScheduler._being_loaded(
         fake, req, c, hit)  # type: ignore[arg-type]
+    fake._pessimistic_floor = lambda boundary, c: OffloadScheduler._pessimistic_floor(
+        fake, boundary, c)  # type: ignore[arg-type]
     req = SimpleNamespace(keys=keys)
     result, _conv, _statuses = OffloadScheduler._lookup_hit(
         fake, req, 0, n)  # type: ignore[arg-type]
@@ -192,8 +194,8 @@ def pending_matches_spec(layout: int, num_tokens: int, bits: list[bool],
 
 
 PENDING_AS_MISS = mutant("kvcore.scheduler.scheduler:OffloadScheduler._lookup_hit",
-                         "lambda g, i: status(g, i) is not Status.MISS",
-                         "lambda g, i: status(g, i) is Status.HIT",
+                         "optimistic = run(HitTest(reader, pending_is_hit=True))",
+                         "optimistic = run(HitTest(reader, pending_is_hit=False))",
                          "PENDING read as MISS on the first pass: never deferred")
 
 

@@ -66,6 +66,12 @@ class ARCPolicy(EvictionPolicy):
         self._writing -= 1
         self._t1[key] = None
 
+    def ready_many(self, keys: Sequence[Key]) -> None:
+        self._writing -= len(keys)
+        t1 = self._t1
+        for key in keys:
+            t1[key] = None
+
     def discard(self, key: Key) -> None:
         self._writing -= 1
 

@@ -53,6 +53,11 @@ class OffloadManager(ABC):
         A pure read: it does not change recency (``touch`` does).
         """
 
+    def lookup_many(self, keys: Sequence[Key]) -> list[Status]:
+        """``lookup`` of each key, in order; a tier answers a block in one call (the
+        scheduler's lookup reads keys in blocks). The default asks key by key."""
+        return [self.lookup(key) for key in keys]
+
     @abstractmethod
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark keys as used, ``keys[0]`` most recent; unknown keys are ignored.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections import Counter, deque
 from collections.abc import Sequence
+from itertools import groupby, repeat
 
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
@@ -44,6 +45,7 @@ from kvcore.spec.manager_model import (
 )
 from kvcore.spec.types import (
     DEFAULT_MAX_PENDING_EVENTS,
+    KEY_GROUP_BYTES,
     MAX_GROUPS,
     Key,
     OffloadConfig,
@@ -192,6 +194,13 @@ class CPUOffloadManager(OffloadManager):
             return Status.MISS
         return Status.HIT if entry.ready else Status.PENDING
 
+    def lookup_many(self, keys: Sequence[Key]) -> list[Status]:
+        """``lookup`` of each key, in one call (a lookup reads keys in blocks)."""
+        check_keys("lookup_many", keys)
+        hit, pending, miss = Status.HIT, Status.PENDING, Status.MISS
+        return [miss if e is None else hit if e.ready else pending
+                for e in map(self._entries.get, keys)]
+
     def state_of(self, key: Key) -> str | None:
         """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
         check_key("state_of", key)
@@ -229,12 +238,17 @@ class CPUOffloadManager(OffloadManager):
     def touch(self, keys: Sequence[Key]) -> None:
         """Each group's keys refresh that group's policy, in call order within the group."""
         check_keys("touch", keys)
+        if not keys:
+            return
         pools = self._pools
-        if len(pools) == 1:
-            ((only, sole),) = pools.items()
-            if all(key_group(key) == only for key in keys):
-                sole.policy.touch(keys)
-                return
+        # The scheduler touches one group at a time: when every key ends with the first
+        # key's group bytes (one C-level pass), the batch goes to that pool whole.
+        suffix = keys[0][-KEY_GROUP_BYTES:]
+        if all(map(bytes.endswith, keys, repeat(suffix))):
+            pool = pools.get(key_group(keys[0]))
+            if pool is not None:
+                pool.policy.touch(keys)
+            return
         by_group: dict[int, list[Key]] = {}
         for key in keys:
             by_group.setdefault(key_group(key), []).append(key)
@@ -322,29 +336,50 @@ class CPUOffloadManager(OffloadManager):
         return PrepareStoreResult(tuple(to_store), slots, tuple(victims))
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
-        """WRITING keys become READY (one stored event) or are dropped (no event)."""
+        """WRITING keys become READY (one stored event) or are dropped (no event).
+
+        A prefill's store completes thousands of keys at once, so the READY path makes
+        one pass marking entries and hands each pool its run of keys in one call.
+        """
         check_keys("complete_store", keys)
         check_success("complete_store", success)
-        entries = self._entries
+        if not success:
+            self._fail_store(keys)
+            return
         done: list[Key] = []
+        pools: list[_Pool] = []
+        # Lazy map: a key listed twice sees its entry already READY the second time.
+        for key, entry in zip(keys, map(self._entries.get, keys), strict=True):
+            if entry is None or entry.ready:
+                continue  # READY before this store, or absent: not this store's key
+            entry.ready = True
+            done.append(key)
+            pools.append(entry.pool)
+        if not done:
+            return
+        start = 0
+        # A store's keys come group by group, so each pool gets one run (or a few).
+        for pool, run in groupby(pools):
+            n = sum(1 for _ in run)
+            pool.writing -= n
+            pool.policy.ready_many(done[start:start + n])
+            start += n
+        self._emit(ManagerEvent(tuple(done), removed=False))
+        self._stored_keys += len(done)
+
+    def _fail_store(self, keys: Sequence[Key]) -> None:
+        """A failed store's WRITING keys leave no trace (X1)."""
+        entries = self._entries
         for key in keys:
             entry = entries.get(key)
             if entry is None or entry.ready:
-                continue  # READY before this store, or absent: not this store's key
-            done.append(key)
+                continue
             pool = entry.pool
             pool.writing -= 1
-            if success:
-                entry.ready = True
-                pool.policy.ready(key)
-            else:
-                del entries[key]
-                pool.used -= 1
-                pool.free.append(entry.slot)
-                pool.policy.discard(key)
-        if success and done:
-            self._emit(ManagerEvent(tuple(done), removed=False))
-            self._stored_keys += len(done)
+            del entries[key]
+            pool.used -= 1
+            pool.free.append(entry.slot)
+            pool.policy.discard(key)
 
     def take_events(self) -> list[ManagerEvent]:
         events, self._events, self._event_keys = list(self._events), deque(), 0

@@ -9,7 +9,7 @@ refresh a chunk, only ``touch`` does. Upstream's scenario depends on it: after a
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from kvcore.manager._policy import EvictionPolicy
@@ -39,14 +39,21 @@ class LRUPolicy(EvictionPolicy):
     def ready(self, key: Key) -> None:
         self._order[key] = None
 
+    def ready_many(self, keys: Sequence[Key]) -> None:
+        # OrderedDict.update(dict) is ~4x slower per key than item assignment.
+        order = self._order
+        for key in keys:
+            order[key] = None
+
     def discard(self, key: Key) -> None:
         """A failed WRITING key never entered the order; nothing to undo."""
 
     def touch(self, keys: Sequence[Key]) -> None:
         order = self._order
-        for key in reversed(keys):
-            if key in order:
-                order.move_to_end(key)
+        # Most keys a lookup touches are absent (a window's unstored chunks): the filter
+        # drops them in C, and the moves run in C too (a zero-length deque consumes the
+        # map); moving a key does not change which keys are present.
+        deque(map(order.move_to_end, filter(order.__contains__, reversed(keys))), maxlen=0)
 
     def choose(self, n: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         if n <= 0:

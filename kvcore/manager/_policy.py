@@ -39,6 +39,12 @@ class EvictionPolicy(ABC):
     def ready(self, key: Key) -> None:
         """``key``'s write succeeded: it becomes the most recent READY key."""
 
+    def ready_many(self, keys: Sequence[Key]) -> None:
+        """``ready`` for each key in order (a store's keys complete together; policies
+        override this to do it in one C-level call)."""
+        for key in keys:
+            self.ready(key)
+
     @abstractmethod
     def discard(self, key: Key) -> None:
         """``key``'s write failed: forget it (it was never READY, so leave no trace)."""

@@ -20,14 +20,109 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvcore.scheduler._rules import lookup_limit, needed_chunks, window_reach, window_span
-from kvcore.spec.errors import InvariantViolation
+from kvcore.scheduler._state import GroupKeys
+from kvcore.spec.errors import BadReportError, InvariantViolation
 from kvcore.spec.invariants import TraceEntry, Violation
-from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, cdiv
+from kvcore.spec.types import GroupKind, GroupSpec, Key, OffloadConfig, Status, cdiv
 
 # is_hit(group, chunk_index) -> bool; PENDING has already been read as HIT or MISS.
 HitFn = Callable[[int, int], bool]
+
+
+# Keys asked of the tier per call: the loop reads keys one at a time, but each read pulls
+# the aligned block around it, so a 8,192-key prefix costs 128 calls, not 8,192.
+READ_BLOCK = 64
+
+
+class StatusReader:
+    """One lookup's view of the tier: each key's status, read in blocks and kept.
+
+    Statuses cannot change during a lookup (nothing else runs), so a key read twice (by
+    both runs, or by two verifications) is asked once. A block may read a few keys the
+    loop never needs; reads are pure (recency changes only with ``touch``). A tier
+    without ``lookup_many`` is asked key by key. ``known[g][i]`` is None until read: one
+    list slot per key of the request (8 bytes, for the lookup's duration only).
+    """
+
+    __slots__ = ("_keys", "_many", "known", "pending")
+
+    def __init__(self, keys: Sequence[GroupKeys], manager: Any) -> None:
+        self._keys = keys
+        many = getattr(manager, "lookup_many", None)
+        self._many: Callable[[list[Key]], Sequence[Status]] = (
+            many if many is not None else lambda ks: [manager.lookup(k) for k in ks])
+        self.known: list[list[Status | None]] = [[None] * len(k) for k in keys]
+        self.pending = False  # whether any key read is PENDING
+
+    def _fetch(self, group: int, idx: int) -> None:
+        lo = idx - idx % READ_BLOCK
+        hi = min(lo + READ_BLOCK, len(self.known[group]))
+        got = list(self._many(self._keys[group][lo:hi]))
+        if len(got) != hi - lo:
+            raise BadReportError(f"the tier's lookup_many answered {len(got)} statuses "
+                                 f"for {hi - lo} keys; it must answer one per key, in order")
+        self.known[group][lo:hi] = got
+        self.pending = self.pending or Status.PENDING in got
+
+    def status(self, group: int, idx: int) -> Status:
+        s = self.known[group][idx]
+        if s is None:
+            self._fetch(group, idx)
+            s = self.known[group][idx]
+        return s  # type: ignore[return-value]
+
+    def block(self, group: int, lo: int, hi: int) -> list[Status | None]:
+        """Statuses of chunks ``[lo, hi)``, inside one aligned block (read if not yet)."""
+        known = self.known[group]
+        if known[lo] is None:
+            self._fetch(group, lo)
+        return known[lo:hi]
+
+    def saw_pending(self) -> bool:
+        return self.pending
+
+
+class Smaller(Exception):
+    """Raised inside the pessimistic run once its hit must be smaller than the optimistic."""
+
+
+class HitTest:
+    """``is_hit`` for one run of the loop: PENDING read as HIT (the optimistic run) or as
+    MISS (the pessimistic one). ``floor[g]``: a read of group ``g`` below it raises
+    ``Smaller`` (see ``OffloadScheduler._lookup_hit``). ``first_miss`` answers a FULL
+    prefix scan a block at a time, in C, instead of one call per key."""
+
+    __slots__ = ("_floor", "_ok", "_reader")
+
+    def __init__(self, reader: StatusReader, pending_is_hit: bool,
+                 floor: Sequence[int] | None = None) -> None:
+        self._reader = reader
+        self._ok = (Status.HIT, Status.PENDING) if pending_is_hit else (Status.HIT,)
+        self._floor = floor
+
+    def __call__(self, group: int, idx: int) -> bool:
+        if self._floor is not None and idx < self._floor[group]:
+            raise Smaller
+        return self._reader.status(group, idx) in self._ok
+
+    def first_miss(self, group: int, start: int, end: int) -> int | None:
+        """The first ``idx`` in ``[start, end)`` that is not a hit, or None (the same keys
+        read, in the same order, as calling the test on each)."""
+        if start < end and self._floor is not None and start < self._floor[group]:
+            raise Smaller
+        bad = [s for s in (Status.MISS, Status.PENDING) if s not in self._ok]
+        at = start
+        while at < end:
+            stop = min(at - at % READ_BLOCK + READ_BLOCK, end)
+            statuses = self._reader.block(group, at, stop)
+            found = [statuses.index(b) for b in bad if b in statuses]
+            if found:
+                return at + min(found)
+            at = stop
+        return None
 
 
 @dataclass(frozen=True)
@@ -102,6 +197,9 @@ def largest_supported(g: GroupSpec, group: int, bound: int, computed: int, num_k
 
 
 def _first_miss(is_hit: HitFn, group: int, start: int, end: int) -> int | None:
+    fast = getattr(is_hit, "first_miss", None)
+    if fast is not None:
+        return fast(group, start, end)  # type: ignore[no-any-return]
     for idx in range(start, end):
         if not is_hit(group, idx):
             return idx

@@ -3,11 +3,14 @@
 Keys are derived from the hash list when read (``GroupKeys``), never stored: a lookup of
 a 128K-token DeepSeek-V4 prompt reads about 500 of its 50K keys, and the hashes are what
 the request must keep anyway. Every index here is keyed by what a hook touches (a
-request, a job, a GPU id), so a step costs O(new work), never O(context).
+request, a job, a GPU id), so a step costs O(new work and jobs in flight), never
+O(context).
 """
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import overload
@@ -79,9 +82,16 @@ class RequestState:
     # (computed_tokens, hit) of the latest lookup that answered a number: the only load
     # after_alloc accepts. None after PENDING or once after_alloc consumed it.
     looked_up: tuple[int, int] | None = None
-    # GPU ids this request has entries for in the scheduler's window index, so finishing
-    # or rebuilding its tables removes exactly those entries.
-    window_ids: set[int] = field(default_factory=set)
+    # Per window-group table position, the step that placed its id there (empty for FULL
+    # groups): the id is stale once it was allocated again at a later step
+    # (``StaleWindows``). 8 bytes a position, no per-id Python objects.
+    placed: list[array[int]] = field(default_factory=list)
+
+    def clear_tables(self) -> None:
+        """Forget every block table (the engine resends them whole)."""
+        n = len(self.tables)
+        self.tables = [[] for _ in range(n)]
+        self.placed = [array("q") for _ in range(n)]
 
     @classmethod
     def fresh(cls, cfg: OffloadConfig, request_id: str, prompt_tokens: int,
@@ -91,7 +101,8 @@ class RequestState:
         n = len(cfg.groups)
         keys = [GroupKeys(hashes, cfg.hashes_per_chunk(g), g) for g in range(n)]
         return cls(request_id, prompt_tokens, max_offload_tokens, skip_reading, hashes,
-                   keys, [[] for _ in range(n)], [0] * n)
+                   keys, [[] for _ in range(n)], [0] * n,
+                   placed=[array("q") for _ in range(n)])
 
 
 @dataclass
@@ -106,11 +117,17 @@ class Job:
 
 
 class JobTable:
-    """Jobs in flight, the fence index (GPU id -> store jobs reading it) and loading keys."""
+    """Jobs in flight, the GPU ids each store job fences, and the keys being loaded.
+
+    The fence is kept per job (job -> the ids it reads), not per id: a prefill's store
+    reads thousands of blocks, and registering then unregistering each of them cost more
+    than the rest of its completion. The per-step question ("which jobs read any of the
+    ids allocated now?") asks each job in flight once, with a C-level set test.
+    """
 
     def __init__(self) -> None:
         self.jobs: dict[int, Job] = {}
-        self.fence: dict[int, set[int]] = {}
+        self.fenced: dict[int, frozenset[int]] = {}
         self.loading: dict[Key, int] = {}
         self.next_id = 1
         self.stale_below = 1
@@ -129,8 +146,10 @@ class JobTable:
 
     def fence_ids(self, job_id: int, ids: frozenset[int]) -> None:
         """Register ``ids`` as read by ``job_id`` until it completes (F1)."""
-        for gpu_id in ids:
-            self.fence.setdefault(gpu_id, set()).add(job_id)
+        if not ids:
+            return
+        held = self.fenced.get(job_id)
+        self.fenced[job_id] = ids if held is None else held | ids
 
     def remove(self, job_id: int) -> Job:
         job = self.jobs.pop(job_id)
@@ -141,32 +160,68 @@ class JobTable:
                     self.loading[key] = left
                 else:
                     del self.loading[key]
-        for gpu_id in job.window_sources | job.other_sources:
-            readers = self.fence.get(gpu_id)
-            if readers is not None:
-                readers.discard(job_id)
-                if not readers:
-                    del self.fence[gpu_id]
+        self.fenced.pop(job_id, None)
         return job
 
     def jobs_reading(self, ids: frozenset[int]) -> set[int]:
         """Store jobs whose fenced sources include any of ``ids``."""
-        out: set[int] = set()
-        for gpu_id in ids:
-            out |= self.fence.get(gpu_id, set())
-        return out
+        if not ids:
+            return set()
+        return {job_id for job_id, held in self.fenced.items() if not held.isdisjoint(ids)}
 
     def fenced_sources(self) -> dict[int, frozenset[int]]:
-        """job -> fenced GPU ids (for the F1 check; O(fence), used only with checks on)."""
-        out: dict[int, set[int]] = {}
-        for gpu_id, jobs in self.fence.items():
-            for job_id in jobs:
-                out.setdefault(job_id, set()).add(gpu_id)
-        return {j: frozenset(ids) for j, ids in out.items()}
+        """job -> fenced GPU ids (for the F1 check)."""
+        return dict(self.fenced)
 
     def clear(self) -> None:
         self.jobs.clear()
-        self.fence.clear()
+        self.fenced.clear()
         self.loading.clear()
         self.stale_below = self.next_id
 
+
+class StaleWindows:
+    """Which window-table positions hold an id the engine freed and handed out again.
+
+    A window or Mamba block id allocated at step ``s`` is stale in every table position
+    that received it at an earlier step: that block now holds another request's KV, and
+    storing it under the old key would poison the tier. Instead of an index from each id
+    to the positions holding it (a dict entry and tuple per window block, about 400 bytes
+    per hash block at 128K tokens, and a walk over it every step), each id keeps the step
+    it was last allocated at, each position the step it was placed at, and a position is
+    checked (and zeroed, once and for good) only when a store is about to read it. The
+    answer is the same: staleness only ever goes from false to true.
+    """
+
+    __slots__ = ("allocated_at", "step")
+
+    def __init__(self) -> None:
+        self.step = 0
+        # allocated_at[id]: the latest step ``id`` was in ``allocated_ids`` (0: never).
+        # Ids are below ``num_gpu_blocks``; the array grows to the largest id seen.
+        self.allocated_at: array[int] = array("q")
+
+    def advance(self, allocated: frozenset[int]) -> None:
+        """A new step whose ``allocated_ids`` (validated: 1..num_gpu_blocks-1) are these."""
+        self.step += 1
+        if not allocated:
+            return
+        at = self.allocated_at
+        top = max(allocated) + 1
+        if top > len(at):
+            at.frombytes(bytes(8 * (top - len(at))))
+        step = self.step
+        for gpu_id in allocated:
+            at[gpu_id] = step
+
+    def zero_stale(self, table: list[int], placed: array[int], lo: int, hi: int) -> None:
+        """Zero the stale ids of ``table[lo:hi]`` (``placed`` is non-decreasing: tables
+        only grow, one step after another, so positions placed this step are skipped)."""
+        step, at = self.step, self.allocated_at
+        # Positions placed this step come last and cannot be stale (nothing was allocated
+        # after them), so a prefill's whole table costs one bisection.
+        hi = bisect_left(placed, step, lo, max(lo, min(hi, len(placed))))
+        for pos in range(lo, hi):
+            gpu_id = table[pos]
+            if gpu_id and gpu_id < len(at) and at[gpu_id] > placed[pos]:
+                table[pos] = 0

@@ -16,7 +16,7 @@ from kvcore.scheduler._rules import (
     group_offer,
     storable_prefix,
 )
-from kvcore.scheduler._state import RequestState
+from kvcore.scheduler._state import RequestState, StaleWindows
 from kvcore.spec.invariants import CursorMoveRecord, PlanRecord, StoreOfferRecord
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import GroupKind, Key, OffloadConfig
@@ -31,8 +31,14 @@ class StoreDraft:
     frontier: int
 
 
-def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int) -> StoreDraft:
-    """What ``req`` offers this step: candidates from each group's cursor to its end."""
+def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int,
+                stale: StaleWindows | None = None) -> StoreDraft:
+    """What ``req`` offers this step: candidates from each group's cursor to its end.
+
+    Stale window positions among the candidates are zeroed first (``StaleWindows``; the
+    scheduler always passes its own), so the offer skips them as null blocks. Without
+    one, the tables are taken as they are (the store proofs' tables have no stale ids).
+    """
     storable = storable_prefix(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
     offers = []
     keys: list[Key] = []
@@ -42,6 +48,11 @@ def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int) -> StoreDr
             # The common decode step: no chunk completed since the last store.
             offers.append(GroupOffer(cursor, cursor))
             continue
+        g = cfg.groups[group]
+        if stale is not None and g.kind is not GroupKind.FULL:
+            bpc = g.blocks_per_chunk
+            stale.zero_stale(req.tables[group], req.placed[group], cursor * bpc,
+                             (storable // g.tokens_per_chunk) * bpc)
         offer = group_offer(cfg, group, cursor, frontier, storable, req.tables[group])
         offers.append(offer)
         keys.extend(req.keys[group][c] for c in offer.offered)

@@ -11,15 +11,23 @@ hook's records to ``kvcore.spec.invariants``.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
-from kvcore.scheduler._lookup import Convergence, converge, reach_chunks
-from kvcore.scheduler._rules import load_plan, served_chunks
-from kvcore.scheduler._state import Job, JobTable, RequestState
+from kvcore.scheduler._lookup import (
+    Convergence,
+    HitTest,
+    Smaller,
+    StatusReader,
+    converge,
+    reach_chunks,
+)
+from kvcore.scheduler._rules import load_plan, needed_chunks, served_chunks, storable_prefix
+from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
 from kvcore.spec.errors import (
     ArgumentRangeError,
     ArgumentTypeError,
@@ -92,7 +100,9 @@ class OffloadScheduler:
         self._reqs: dict[str, RequestState] = {}
         self._jobs = JobTable()
         self._queued_loads: list[TransferPlan] = []
-        self._window_index: dict[int, list[tuple[RequestState, int, int]]] = {}
+        self._stale = StaleWindows()
+        self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
+        self._chunk_tokens = tuple(g.tokens_per_chunk for g in config.groups)
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
@@ -163,8 +173,7 @@ class OffloadScheduler:
         if not 0 <= computed_tokens <= num_tokens:
             raise BadStepError(f"request {request_id!r}: computed_tokens={computed_tokens} "
                                f"outside 0..{num_tokens}")
-        self._unindex(req)
-        req.tables = [[] for _ in self.config.groups]
+        req.clear_tables()
         req.looked_up = None
         self._stats.lookups += 1
         if req.jobs:
@@ -187,15 +196,8 @@ class OffloadScheduler:
 
     def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int,
                     max_tokens: int | None = None
-                    ) -> tuple[LookupResult, Convergence, dict[tuple[int, int], Status]]:
-        statuses: dict[tuple[int, int], Status] = {}
-
-        def status(group: int, idx: int) -> Status:
-            s = statuses.get((group, idx))
-            if s is None:
-                s = statuses[(group, idx)] = self.manager.lookup(req.keys[group][idx])
-            return s
-
+                    ) -> tuple[LookupResult, Convergence, list[list[Status | None]]]:
+        reader = StatusReader(req.keys, self.manager)
         num_keys = [len(k) for k in req.keys]
 
         def run(is_hit: Callable[[int, int], bool]) -> Convergence:
@@ -206,15 +208,37 @@ class OffloadScheduler:
             return converge(self.config, computed, num_tokens, num_keys, is_hit,
                             max_tokens=max_tokens)
 
-        optimistic = run(lambda g, i: status(g, i) is not Status.MISS)
+        optimistic = run(HitTest(reader, pending_is_hit=True))
         conv = optimistic
-        if any(s is Status.PENDING for s in statuses.values()):
-            conv = run(lambda g, i: status(g, i) is Status.HIT)
+        # With PENDING read as MISS the hit can only be smaller; the answer is PENDING
+        # exactly when it is. Nothing to compare when the optimistic hit is already 0.
+        # Only a boundary below the optimistic one reads below its range (the floor), so
+        # such a read means the pessimistic hit is smaller: PENDING, answered at once.
+        if optimistic.hit and reader.saw_pending():
+            floor = self._pessimistic_floor(computed + optimistic.hit, computed)
+            try:
+                conv = run(HitTest(reader, pending_is_hit=False, floor=floor))
+            except Smaller:
+                return PENDING, optimistic, reader.known
             if conv.hit != optimistic.hit:
-                return PENDING, conv, statuses
+                return PENDING, conv, reader.known
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
-            return PENDING, conv, statuses
-        return conv.hit, conv, statuses
+            return PENDING, conv, reader.known
+        return conv.hit, conv, reader.known
+
+    def _pessimistic_floor(self, boundary: int, computed: int) -> list[int]:
+        """Per group, the first chunk a verification at ``boundary`` reads (-1: FULL).
+
+        A window or Mamba group's range starts at or after this for every boundary at or
+        above ``boundary`` (the start only moves up with the boundary), so reading a
+        chunk below it means the loop is verifying a smaller boundary. FULL ranges start
+        at the first uncomputed chunk whatever the boundary: no floor.
+        """
+        floor = []
+        for g in self.config.groups:
+            rng = None if g.kind is GroupKind.FULL else needed_chunks(g, boundary, computed)
+            floor.append(-1 if rng is None else rng[0])
+        return floor
 
     def _being_loaded(self, req: RequestState, computed: int, hit: int) -> bool:
         if not self._jobs.loading:
@@ -328,13 +352,12 @@ class OffloadScheduler:
         the scheduler as it was.
         """
         self._hash_len = self._validate_step(step)
-        self._zero_stale_window_blocks(step.allocated_ids)
+        self._stale.advance(step.allocated_ids)
         flush: set[int] = self._jobs.jobs_reading(step.allocated_ids)
         for request_id in step.preempted:
             req = self._req(request_id)
             flush |= req.jobs
-            self._unindex(req)
-            req.tables = [[] for _ in self.config.groups]
+            req.clear_tables()
         if self.check:
             self._enforce([FenceRecord(step.allocated_ids, self._jobs.fenced_sources(),
                                  frozenset(flush))])
@@ -396,55 +419,27 @@ class OffloadScheduler:
         if sr.new_hashes:
             req.hashes.extend(sr.new_hashes)
         if sr.resumed:
-            self._unindex(req)
-            req.tables = [[] for _ in self.config.groups]
+            req.clear_tables()
+        stamp = array("q", (self._stale.step,))
         for group, ids in enumerate(sr.new_block_ids):
-            table = req.tables[group]
-            if self.config.groups[group].kind is not GroupKind.FULL:
-                for offset, gpu_id in enumerate(ids):
-                    if gpu_id:
-                        self._window_index.setdefault(gpu_id, []).append(
-                            (req, group, len(table) + offset))
-                        req.window_ids.add(gpu_id)
-            table.extend(ids)
-
-    def _unindex(self, req: RequestState) -> None:
-        """Remove ``req``'s window-index entries (its tables are rebuilt, or it is gone),
-        so the index holds only live tables: O(the request's window blocks)."""
-        index = self._window_index
-        for gpu_id in req.window_ids:
-            entries = index.get(gpu_id)
-            if entries is None:
-                continue
-            kept = [e for e in entries if e[0] is not req]
-            if kept:
-                index[gpu_id] = kept
-            else:
-                del index[gpu_id]
-        req.window_ids.clear()
+            if ids:
+                req.tables[group].extend(ids)
+                if self._window_groups[group]:
+                    req.placed[group].extend(stamp * len(ids))
 
     def _drop(self, request_id: str) -> None:
         """Stop tracking a request; nothing of it stays reachable."""
-        self._unindex(self._reqs.pop(request_id))
-
-    def _zero_stale_window_blocks(self, allocated: frozenset[int]) -> None:
-        """A window or Mamba block the engine freed and handed out again must not be stored
-        under its old key: zero its old position. Positions behind the store cursor are
-        zeroed too, because ``reset`` moves every cursor back to 0.
-        """
-        for gpu_id in allocated:
-            entries = self._window_index.pop(gpu_id, None)
-            for req, group, pos in entries or ():
-                req.window_ids.discard(gpu_id)
-                table = req.tables[group]
-                if pos < len(table) and table[pos] == gpu_id:
-                    table[pos] = 0
+        del self._reqs[request_id]
 
     def _store_step(self, req: RequestState, sr: ScheduledRequest) -> TransferPlan | None:
-        if any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
+        if req.jobs and any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
             return None
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
-        draft = _store.draft_store(self.config, req, frontier)
+        if not self.check and not self._chunk_completed(req, frontier):
+            # Most decode steps complete no chunk: no offer, no cursor moves, no records
+            # to check (with checks on the full path runs, to hand E1/E2 their records).
+            return None
+        draft = _store.draft_store(self.config, req, frontier, self._stale)
         if not draft.keys:
             self._move_cursors(req, draft)
             if self.check:
@@ -474,6 +469,16 @@ class OffloadScheduler:
             self._enforce([*_store.store_records(self.config, draft, built, req.cursors),
                            JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id))])
         return built.plan
+
+    def _chunk_completed(self, req: RequestState, frontier: int) -> bool:
+        """Whether any group has a chunk at or past its cursor inside the storable prefix
+        (``draft_store`` offers nothing otherwise)."""
+        storable = storable_prefix(self.config, frontier, req.prompt_tokens,
+                                   req.max_offload_tokens)
+        for tokens, cursor in zip(self._chunk_tokens, req.cursors, strict=True):
+            if storable // tokens > cursor:
+                return True
+        return False
 
     @staticmethod
     def _move_cursors(req: RequestState, draft: _store.StoreDraft) -> None:

@@ -112,7 +112,9 @@ def failure_of(mutant: Mutant, checks: bool) -> BaseException:
     patches = contextlib.ExitStack()
     with patches:
         patches.enter_context(mutant.applied())
-        if not checks:
+        if checks:
+            patches.enter_context(mock.patch.object(SchedulerMachine, "draw_checks", False))
+        else:
             patches.enter_context(mock.patch.object(_sched, "checks_enabled",
                                                     lambda flag: False))
         try:

@@ -148,17 +148,24 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     engine: Engine
     pair: Lockstep
+    # Whether ``checks`` is drawn; a test that needs the runtime checks on in every run
+    # (one expecting an invariant to fire first) sets this False.
+    draw_checks = True
 
     @initialize(config=configs(), chunk=st.integers(2, 24), spec_tokens=st.integers(0, 3),
                 warm_up=st.lists(st.tuples(st.integers(0, 2), WARM_PREFIXES),
-                                 min_size=1, max_size=3))
+                                 min_size=1, max_size=3),
+                checks=st.booleans())
     def setup(self, config: OffloadConfig, chunk: int, spec_tokens: int,
-              warm_up: list[tuple[int, int]]) -> None:
+              warm_up: list[tuple[int, int]], checks: bool = True) -> None:
         """Build both schedulers; ``warm_up`` requests (base prompt, length) then run to the
-        end, so the CPU tier holds prefixes that later requests can hit."""
-        manager = CPUOffloadManager.for_config(config, check=True,
+        end, so the CPU tier holds prefixes that later requests can hit. The
+        implementation runs with its runtime checks on or off (``checks``): the fast
+        paths taken only with checks off must answer as the reference too."""
+        checks = checks or not self.draw_checks
+        manager = CPUOffloadManager.for_config(config, check=checks,
                                                max_pending_events=config.max_pending_events)
-        impl = OffloadScheduler(config, manager, check=True)
+        impl = OffloadScheduler(config, manager, check=checks)
         self.pair = Lockstep(impl, ReferenceScheduler(config))
         self.engine = Engine(config, self.pair, prefill_chunk=chunk, spec_tokens=spec_tokens)
         for base, length in warm_up:

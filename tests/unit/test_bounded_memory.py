@@ -3,13 +3,13 @@
 Goal: (1) the manager's pending events hold at most ``max_pending_events`` keys, the
 oldest dropped first and counted in ``stats().events_dropped`` (manager and scheduler),
 identically in the implementation (LRU and ARC) and the reference manager; (2) the
-scheduler's window index holds entries only for the tables of tracked requests, so a
-finished request is not kept alive and repeated lookups do not pile up entries; (3) the
-cap is a validated config field.
+scheduler's stale-window marks (one placement step per window-table position, one
+allocation step per GPU id) follow the live tables, so a finished request is not kept
+alive and repeated lookups do not pile up marks; (3) the cap is a validated config field.
 
-Method: exact scenarios for the buffer; for the index, the refinement suite's fake
+Method: exact scenarios for the buffer; for the marks, the refinement suite's fake
 engine runs many requests with window groups to the end (and through resets and
-preemptions), then the index is compared with what the live tables hold.
+preemptions), checking the marks against the live tables after every step.
 """
 
 from __future__ import annotations
@@ -95,20 +95,21 @@ WINDOWS = OffloadConfig((GroupSpec(GroupKind.FULL, 2),
                         num_workers=2, max_pending_events=16)
 
 
-def live_window_entries(s: OffloadScheduler) -> set[tuple[str, int, int, int]]:
-    """(request, group, position, id) of every real id in a tracked window table."""
-    return {(rid, g, pos, gpu_id) for rid in s.tracked_requests()
-            for g, table in enumerate(s._reqs[rid].tables)
-            if WINDOWS.groups[g].kind is not GroupKind.FULL
-            for pos, gpu_id in enumerate(table) if gpu_id}
+def check_stale_marks(s: OffloadScheduler) -> None:
+    """One placement step per window-table position, none for FULL tables; steps never
+    decrease along a table and never run ahead of the scheduler's step."""
+    step = s._stale.step
+    assert len(s._stale.allocated_at) <= WINDOWS.num_gpu_blocks
+    for rid in s.tracked_requests():
+        req = s._reqs[rid]
+        for g, (table, placed) in enumerate(zip(req.tables, req.placed, strict=True)):
+            window = WINDOWS.groups[g].kind is not GroupKind.FULL
+            assert len(placed) == (len(table) if window else 0)
+            assert list(placed) == sorted(placed)
+            assert all(0 <= p <= step for p in placed)
 
 
-def index_entries(s: OffloadScheduler) -> list[tuple[str, int, int, int]]:
-    return [(req.request_id, g, pos, gpu_id) for gpu_id, entries in s._window_index.items()
-            for req, g, pos in entries]
-
-
-def test_window_index_holds_only_live_tables_and_empties_when_all_finish() -> None:
+def test_stale_marks_follow_the_live_tables_and_nothing_outlives_a_request() -> None:
     s = OffloadScheduler(WINDOWS, CPUOffloadManager(
         24, check=True, max_pending_events=WINDOWS.max_pending_events), check=True)
     e = Engine(WINDOWS, s, prefill_chunk=4)
@@ -121,22 +122,17 @@ def test_window_index_holds_only_live_tables_and_empties_when_all_finish() -> No
             running = e.running()
             e.step((running[0],) if n == 3 and running else ())
             e.deliver([(j, w, True) for j, w in e.pending_reports()])
-            entries = index_entries(s)
-            # No duplicates, nothing of an untracked request, only ids the tables hold
-            # (entries for positions zeroed as stale may linger until re-allocation).
-            assert len(entries) == len(set(entries))
-            assert {r for r, *_ in entries} <= s.tracked_requests()
-            assert set(entries) >= live_window_entries(s)
+            check_stale_marks(s)
         if round_ == 2:
             e.reset()
     assert not s.tracked_requests()
-    assert s._window_index == {}
+    assert not s._reqs
     assert s.stats().events_dropped > 0  # 16-key buffer, never drained here
 
 
-def test_repeated_lookups_do_not_grow_the_window_index() -> None:
+def test_repeated_lookups_do_not_grow_the_stale_marks() -> None:
     """A waiting request looked up again and again, its tables sent whole each time
-    (the engine's resend after a lookup): the index keeps one entry per table slot."""
+    (the engine's resend after a lookup): one mark per table slot, never more."""
     s = OffloadScheduler(WINDOWS, CPUOffloadManager(24), check=False)
     e = Engine(WINDOWS, s, prefill_chunk=4)
     rid = e.arrive(list(range(20)), 4)
@@ -146,9 +142,35 @@ def test_repeated_lookups_do_not_grow_the_window_index() -> None:
         s.lookup(rid, 0, 20)  # forgets the tables; the engine resends them whole
         e.reqs[rid].resend = True
         e.step()
-        entries = index_entries(s)
-        assert len(entries) == len(set(entries)) > 0
-        assert set(entries) == live_window_entries(s)
+        check_stale_marks(s)  # one mark per slot of the resent tables, not one per send
+        assert sum(map(len, s._reqs[rid].placed)) > 0
     s.request_finished(rid)
     e.deliver([(j, w, True) for j, w in e.pending_reports()])
-    assert s._window_index == {}
+    assert rid not in s.tracked_requests()
+
+
+def test_stale_means_allocated_after_placed() -> None:
+    """An id is stale where it was placed before the step that allocated it again; one
+    placed in the very step that allocated it is fresh, and so is an id never allocated."""
+    from array import array
+
+    from kvcore.scheduler._state import StaleWindows
+
+    stale = StaleWindows()
+    stale.advance(frozenset({5, 6}))          # step 1: 5 and 6 handed out
+    table = [5, 6, 7, 0]
+    placed = array("q", [1, 1, 1, 1])         # all placed at step 1
+    stale.zero_stale(table, placed, 0, 4)
+    assert table == [5, 6, 7, 0]              # allocated in the step they were placed
+    stale.advance(frozenset({6, 9}))          # step 2: 6 handed out again
+    table.append(6)
+    placed.append(2)                          # ... and placed again at step 2
+    stale.zero_stale(table, placed, 0, 2)     # only the range asked for is zeroed
+    assert table == [5, 0, 7, 0, 6]
+    stale.advance(frozenset({5}))             # step 3
+    stale.zero_stale(table, placed, 0, 5)
+    assert table == [0, 0, 7, 0, 6]           # 7: never allocated again; 6 at 4: fresh
+    stale.advance(frozenset({6}))             # step 4: 6 stale at position 4 too
+    stale.zero_stale(table, placed, 4, 9)     # a range past the end is clipped
+    assert table == [0, 0, 7, 0, 0]
+    assert len(stale.allocated_at) == 10      # grows to the largest id, no further
