@@ -99,8 +99,8 @@ DOUBLE_POP = mutant("kvcore.scheduler._lookup:converge",
                     "lambda group, _n: 2 * cfg.groups[group].extra_chunks",
                     "each verification of a draft group pops two chunks")
 LIMIT_IGNORES_WINDOWS = mutant("kvcore.scheduler._rules:lookup_limit",
-                               "limit = num_tokens - 1 if cfg.has_window_groups else num_tokens",
-                               "limit = num_tokens",
+                               "            top = num_tokens - 1\n",
+                               "            top = num_tokens\n",
                                "with window groups the last prompt token is served")
 
 
