@@ -175,6 +175,8 @@ class Hostile:
             ("worker_output: a job never issued", lambda: s.worker_output(
                 [*reports, WorkerReport(0, 2**40)])),
             ("worker_output: not a list", lambda: s.worker_output(5)),
+            ("worker_output: a tuple among the reports", lambda: s.worker_output(
+                [*reports, (0, 1, True, 0, 0.0)])),
         ]
         live = {j for rid in s.tracked_requests() for j in s.jobs_of(rid)}
         mine = [r for r in reports if r.job_id in live]  # reports for reset jobs are ignored
