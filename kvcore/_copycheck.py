@@ -183,10 +183,7 @@ def _call(arena: _Arena, regions: list[Region], descs: list[tuple[int, ...]],
     try:
         _native.copy(RegionTable(regions), DescriptorTable.pack(descs), flags=flags)
     except KVCopyError as exc:
-        side = int(exc.side or 0)
-        index = exc.region_index if side == Side.REGION else exc.descriptor_index
-        error = (int(exc.code or 0), int(index or 0), side, int(exc.value or 0),
-                 int(exc.bound or 0))
+        error = _refusal(exc)
     after = arena.snapshot()
     copied_ok = error is None and after == sequential_copy(before, arena.origin, regions, descs)
     return CopyCallRecord(tuple(regions), tuple(descs), error,
@@ -201,9 +198,17 @@ def _too_many_regions(arena: _Arena) -> CopyCallRecord:
     try:
         _native.copy(RegionTable(regions), DescriptorTable.pack([]))
     except KVCopyError as exc:
-        error = (int(exc.code or 0), int(exc.region_index or 0), int(exc.side or 0),
-                 int(exc.value or 0), int(exc.bound or 0))
+        error = _refusal(exc)
     return CopyCallRecord(tuple(regions), (), error, False, error is None)
+
+
+def _refusal(exc: KVCopyError) -> tuple[int, int, int, int, int]:
+    """A refusal as B1 compares it: (status, index, side, value, bound), the index being the
+    region's for a region error and the descriptor's otherwise."""
+    side = int(exc.side or 0)
+    index = exc.region_index if side == Side.REGION else exc.descriptor_index
+    return (int(exc.code or 0), int(index or 0), side, int(exc.value or 0),
+            int(exc.bound or 0))
 
 
 def run_copy_library(config: OffloadConfig, cases: int, counts: dict[str, int],

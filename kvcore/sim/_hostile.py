@@ -196,6 +196,3 @@ class Hostile:
         self._bounce([("request_finished: unknown request",
                        lambda: s.request_finished("no-such-request"))])
         s.request_finished(request_id)
-
-    def reset(self) -> Any:
-        return self.impl.reset()
