@@ -13,7 +13,6 @@ eviction is applied; off, no record is built.
 
 from __future__ import annotations
 
-import os
 from collections import Counter, deque
 from collections.abc import Sequence
 from itertools import groupby, repeat
@@ -23,6 +22,7 @@ from kvcore.manager._base import OffloadManager
 from kvcore.manager._capacity import check_config, cpu_capacities
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
+from kvcore.scheduler._checks import checks_enabled
 from kvcore.spec.errors import (
     ConfigError,
     InvariantViolation,
@@ -92,13 +92,6 @@ class _Entry:
         self.ready = False
 
 
-def check_enabled(check: bool | None) -> bool:
-    """The constructor flag wins; None defers to ``KVCORE_CHECK=1`` in the environment."""
-    if check is None:
-        return os.environ.get("KVCORE_CHECK") == "1"
-    return bool(check)
-
-
 class CPUOffloadManager(OffloadManager):
     """The CPU tier: one pool of chunk slots per group, LRU or ARC eviction per group.
 
@@ -121,6 +114,7 @@ class CPUOffloadManager(OffloadManager):
                  max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS) -> None:
         check_capacity(capacity)
         check_pending_events(max_pending_events)
+        self._check = checks_enabled(check)
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ConfigError("policy", f"policy={policy!r} is not an eviction policy; "
                               f"choose one of {sorted(POLICIES)}")
@@ -133,7 +127,6 @@ class CPUOffloadManager(OffloadManager):
         # one int the other groups' pools are made at their first store.
         for group in range(1 if self._per_group is None else len(self._per_group)):
             self._pool(group)
-        self._check = check_enabled(check)
         self._entries: dict[Key, _Entry] = {}
         self._events: deque[ManagerEvent] = deque()
         self._event_keys = 0  # keys in ``_events``

@@ -10,15 +10,22 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from kvcore.spec.errors import InvariantViolation
+from kvcore.spec.errors import ConfigError, InvariantViolation
 from kvcore.spec.invariants import PREDICATE_IDS, PREDICATES, check
 
 
 def checks_enabled(flag: bool | None) -> bool:
-    """The constructor flag wins; otherwise ``KVCORE_CHECK=1`` turns checks on."""
-    if flag is not None:
-        return flag
-    return os.environ.get("KVCORE_CHECK", "") == "1"
+    """The constructor flag wins; otherwise ``KVCORE_CHECK=1`` turns checks on.
+
+    Only True, False or None: ``check="no"`` is truthy, so taking any value would turn
+    checks on where the caller meant them off (ConfigError instead).
+    """
+    if flag is None:
+        return os.environ.get("KVCORE_CHECK", "") == "1"
+    if not isinstance(flag, bool):
+        raise ConfigError("check", f"check={flag!r} must be True, False or None (None: "
+                          "KVCORE_CHECK=1 in the environment turns checks on)")
+    return flag
 
 
 def tally(records: Sequence[object], counts: dict[str, int]) -> None:

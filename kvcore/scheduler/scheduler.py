@@ -81,6 +81,10 @@ from kvcore.spec.types import (
     key_hash,
 )
 
+# What the scheduler calls on its manager (``kvcore.manager.OffloadManager``'s interface).
+MANAGER_METHODS = ("lookup", "touch", "prepare_load", "complete_load", "prepare_store",
+                   "complete_store", "reset", "take_events", "stats")
+
 
 class OffloadScheduler:
     """Decides loads and stores for every request; owns no bytes and no pointers.
@@ -94,9 +98,14 @@ class OffloadScheduler:
         if not isinstance(config, OffloadConfig):
             raise ArgumentTypeError("OffloadScheduler", "config", config, "OffloadConfig",
                                     "build the configuration with kvcore.OffloadConfig")
+        missing = [m for m in MANAGER_METHODS if not callable(getattr(manager, m, None))]
+        if missing:
+            raise ArgumentTypeError("OffloadScheduler", "manager", manager,
+                                    "an offload manager (it lacks " + ", ".join(missing) + ")",
+                                    "pass kvcore.CPUOffloadManager.for_config(config)")
+        self.check = checks_enabled(check)
         self.config = config
         self.manager = manager
-        self.check = checks_enabled(check)
         self._reqs: dict[str, RequestState] = {}
         self._jobs = JobTable()
         self._queued_loads: list[TransferPlan] = []

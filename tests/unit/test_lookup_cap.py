@@ -63,6 +63,13 @@ class MapTier:
     def touch(self, keys: Sequence[Key]) -> None:
         del keys
 
+    def _unused(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("a lookup test's tier is only read")
+
+    # The rest of the manager interface, which OffloadScheduler checks for at construction.
+    prepare_load = complete_load = prepare_store = complete_store = _unused
+    reset = take_events = stats = _unused
+
 
 def request_for(cfg: OffloadConfig, req: Request) -> tuple[RequestInfo, dict[Key, Status]]:
     """A request whose chunk i of group g has status ``req.hits[g][i]``."""
