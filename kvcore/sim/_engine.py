@@ -64,6 +64,9 @@ class SimRequest:
     load_boundary: int = 0
     store_cap: int | None = None  # RequestInfo.max_offload_tokens
     abort_pending: bool = False
+    # Preempted and not scheduled since: its next step re-sends the whole table with
+    # ``resumed`` set, as an engine resuming a preempted request does.
+    resumed: bool = False
 
 
 @dataclass
@@ -235,16 +238,22 @@ class Simulator:
         self.counters.steps += 1
         self._deliver_reports()
         self._maybe_reset()
+        if self.options.preempt_rate and self.running \
+                and self.rng.random() < self.options.preempt_rate:
+            self.preempt(self.rng.choice(self.running).request_id)
         allocated: set[int] = set()
         scheduled: list[tuple[SimRequest, int, tuple[tuple[int, ...], ...]]] = []
         preempted: list[str] = [r for r in self.requeued if self.reqs[r].state != "done"]
         self.requeued.clear()
         self._free_out_of_window()
         self._schedule_running(scheduled, preempted, allocated)
-        self._admit(scheduled, allocated)
+        self._admit(scheduled, allocated, preempted)
         step = StepInput(tuple(ScheduledRequest(r.request_id, n, r.computed, len(r.tokens),
-                                                ids) for r, n, ids in scheduled),
+                                                ids, resumed=r.resumed)
+                               for r, n, ids in scheduled),
                          tuple(preempted), frozenset(allocated))
+        for r, _, _ in scheduled:
+            r.resumed = False
         plan = self.scheduler.build_step(step)
         self.transfer.wait(plan.flush)
         for load in plan.loads:
@@ -289,7 +298,7 @@ class Simulator:
                 n = 1 + self.spec_tokens
                 upto = req.computed + n
             ids = self._allocate(req, upto, req.computed, allocated)
-            while ids is None and self._preempt_one(req, preempted):
+            while ids is None and self._preempt_one(req, preempted, scheduled):
                 ids = self._allocate(req, upto, req.computed, allocated)
             if ids is None:
                 self._preempt(req, preempted)
@@ -303,10 +312,15 @@ class Simulator:
             n -= n % align
         return n
 
-    def _preempt_one(self, keep: SimRequest, preempted: list[str]) -> bool:
+    def _preempt_one(self, keep: SimRequest, preempted: list[str],
+                     scheduled: list[Any]) -> bool:
+        """Preempt the newest other running request to free its blocks. One already
+        scheduled this step leaves the step (an engine unschedules it: its blocks are
+        gone, so the step must not name them)."""
         for victim in reversed(self.running):
             if victim is not keep and victim.state == "running" \
                     and victim.request_id not in preempted:
+                scheduled[:] = [entry for entry in scheduled if entry[0] is not victim]
                 self._preempt(victim, preempted)
                 return True
         return False
@@ -314,16 +328,19 @@ class Simulator:
     def _preempt(self, req: SimRequest, preempted: list[str]) -> None:
         self.counters.preemptions += 1
         preempted.append(req.request_id)
+        req.resumed = True
         self._release(req)
         req.computed = 0
         req.state = "waiting"
         self.running.remove(req)
         self.waiting.appendleft(req)
 
-    def _admit(self, scheduled: list[Any], allocated: set[int]) -> None:
+    def _admit(self, scheduled: list[Any], allocated: set[int], preempted: list[str]) -> None:
         for req in list(self.waiting):
             if len(self.running) >= self.options.max_running:
                 return
+            if req.request_id in preempted:
+                continue  # preempted this step: it waits at least one step
             cached = self._gpu_cached(req)
             hit = self.scheduler.lookup(req.request_id, cached, len(req.tokens))
             if not isinstance(hit, int):

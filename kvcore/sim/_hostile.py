@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from kvcore.scheduler import RequestInfo, ScheduledRequest, StepInput, WorkerReport
@@ -167,7 +168,28 @@ class Hostile:
                 twins.append(("build_step: tables for one group too many", lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=(*ids, ids[g])),
                                             *reqs[1:])))))
+        twins += self._short_resume(step)
         return twins
+
+    def _short_resume(self, step: StepInput) -> list[Twin]:
+        """A resumed request whose re-sent table lacks the block holding its last
+        computed token (a resumed table replaces the old one whole)."""
+        s, cfg = self.impl, self.impl.config
+        for k, sr in enumerate(step.requests):
+            if not sr.resumed or not sr.new_block_ids or sr.request_id in step.preempted:
+                continue
+            frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
+            for g, ids in enumerate(sr.new_block_ids):
+                need = -(-frontier // cfg.groups[g].tokens_per_block)
+                if need and len(ids) >= need:
+                    tables = list(sr.new_block_ids)
+                    tables[g] = ids[:need - 1]
+                    short = replace(sr, new_block_ids=tuple(tables))
+                    reqs = (*step.requests[:k], short, *step.requests[k + 1:])
+                    bad = replace(step, requests=reqs)
+                    return [("build_step: resumed table one block short",
+                             partial(s.build_step, bad))]
+        return []
 
     def worker_output(self, reports: Any) -> Any:
         s, reports = self.impl, list(reports)

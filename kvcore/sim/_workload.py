@@ -28,6 +28,9 @@ class SimOptions:
     delay_rate: float | None = None
     abort_rate: float | None = None
     reset_rate: float | None = None
+    # Each step, the chance that one running request is preempted (as memory pressure
+    # would, on any pool size); it resumes later with its whole table re-sent.
+    preempt_rate: float = 0.0
     num_workers: int | None = None
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None

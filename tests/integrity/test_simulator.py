@@ -9,6 +9,8 @@ Hypothesis state machine over the simulator with the active profile.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -166,3 +168,31 @@ def test_variants_make_the_storable_prefix_fall_below_the_frontier() -> None:
                                                     max_offload_tokens=150,
                                                     request_cap_rate=0.5))
     assert 0 < capped.chunks_stored < plain.chunks_stored
+
+
+@pytest.mark.parametrize(("name", "gpu_blocks"), [("llama3-eagle3", 40),
+                                                  ("deepseek-v4-mtp", 700)])
+def test_preempted_requests_leave_the_step_and_resume_whole(name: str,
+                                                            gpu_blocks: int) -> None:
+    """Preemption by pool pressure (llama3 on 40 blocks) and by ``preempt_rate``: a step
+    never schedules a request it preempts, nor one request twice, and a preempted request
+    comes back with ``resumed`` and its whole table. Kills the simulator mutants that keep
+    a preempted victim in the step's requests (its blocks already freed) or re-admit it in
+    the step that preempted it, and the one that never sets ``resumed``."""
+    opts = SimOptions(seed=3, requests=12, context_tokens=400, max_running=3,
+                      num_gpu_blocks=gpu_blocks, preempt_rate=0.2)
+    sim = Simulator(preset(name), opts, check=True)
+    real = sim.scheduler.build_step
+    resumed = 0
+
+    def spy(step: Any) -> Any:
+        nonlocal resumed
+        ids = [r.request_id for r in step.requests]
+        assert len(ids) == len(set(ids)), ids
+        assert not set(ids) & set(step.preempted), (ids, step.preempted)
+        resumed += sum(r.resumed for r in step.requests)
+        return real(step)
+    sim.scheduler.build_step = spy  # type: ignore[method-assign]
+    counters = sim.run()
+    assert counters.preemptions > 0 and resumed > 0
+    assert counters.finished + counters.aborted == opts.requests
