@@ -43,8 +43,10 @@ Progress = Callable[[str], None]
 # mutant's ``apply``, entered afresh for each stage and each seed.
 Apply = Callable[[], contextlib.AbstractContextManager[Any]]
 
-STAGES = ("directed", "simulations", "state machine", "refinement", "bad calls",
-          "copy library")
+# The state machine runs last: it shrinks what it finds, which for a crash can take
+# minutes, and a stage before it (the refinement above all) may name the failure first.
+STAGES = ("set-up", "directed", "simulations", "refinement", "bad calls", "copy library",
+          "transfer engine", "state machine")
 # Seeds the "bad calls" stage runs (each with at most 40 bad twins of real calls).
 HOSTILE_SEEDS = 6
 # Failure kinds that do not say which rule broke; the battery goes on past them.
@@ -82,9 +84,10 @@ POLICIES = ("lru", "arc")
 # Option sets the seeded simulations cycle through: calm, stormy, and under pressure.
 PROFILES: tuple[dict[str, Any], ...] = (
     {"fail_rate": 0.0, "delay_rate": 0.0, "abort_rate": 0.0, "reset_rate": 0.0},
-    {"fail_rate": 0.1, "delay_rate": 0.5, "abort_rate": 0.03, "reset_rate": 0.03},
+    {"fail_rate": 0.1, "delay_rate": 0.5, "abort_rate": 0.03, "reset_rate": 0.03,
+     "preempt_rate": 0.05},
     {"fail_rate": 0.05, "delay_rate": 0.3, "abort_rate": 0.0, "reset_rate": 0.05,
-     "num_cpu_blocks": 48, "num_gpu_blocks": 700},
+     "num_cpu_blocks": 48, "num_gpu_blocks": 700, "preempt_rate": 0.1},
 )
 # What the config lets the engine vary, crossed with the profiles: the storable prefix U
 # below the frontier V (prompt only; a config cap; per-request caps) and GPU prefix-cache
@@ -191,7 +194,8 @@ def stage_options(seed: int, config: OffloadConfig | None = None, *, lockstep: b
     if lockstep:
         opts = replace(opts, policy="lru", lockstep=True)
     if hostile:
-        opts = replace(opts, hostile=True, num_cpu_blocks=48, num_gpu_blocks=700)
+        opts = replace(opts, hostile=True, num_cpu_blocks=48, num_gpu_blocks=700,
+                       preempt_rate=max(opts.preempt_rate, 0.05))
     return opts
 
 
@@ -294,6 +298,27 @@ def run_copy(config: OffloadConfig, cases: int, result: BatteryResult, preset: s
                                  "copy library", "0")
 
 
+def run_engine_stage(config: OffloadConfig, result: BatteryResult, preset: str, *,
+                     setup: bool) -> None:
+    """The constructors' bad twins ("set-up") or the transfer engine's plans, bytes and
+    refusals ("transfer engine"), ``kvcore._enginecheck``."""
+    from kvcore import _enginecheck
+
+    try:
+        if setup:
+            _enginecheck.run_setup(config, result.checked)
+        else:
+            _enginecheck.run_transfer_engine(config, _enginecheck.ENGINE_CASES, result.checked)
+    except Exception as exc:  # every failure is reported, whatever its type
+        kind, ids = classify(exc)
+        call = "run_setup(config, {})" if setup else \
+            f"run_transfer_engine(config, {_enginecheck.ENGINE_CASES}, {{}})"
+        result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
+                                 "python -c 'from kvcore._enginecheck import *; from "
+                                 f"kvcore.zoo import layout; config = layout({preset!r}); "
+                                 f"{call}'", "set-up" if setup else "transfer engine", "0")
+
+
 def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int,
                 steps: int, factory: Any = None, shrink: bool = True,
                 progress: Progress | None = None, apply: Apply | None = None
@@ -317,6 +342,8 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
         "bad calls": lambda: run_sims(config, min(seeds, HOSTILE_SEEDS), result,
                                       preset=preset, apply=apply, hostile=True),
         "copy library": lambda: run_copy(config, COPY_CASES, result, preset),
+        "set-up": lambda: run_engine_stage(config, result, preset, setup=True),
+        "transfer engine": lambda: run_engine_stage(config, result, preset, setup=False),
     }
     unnamed: Failure | None = None
     for stage in STAGES:
@@ -329,7 +356,7 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
         result.stages[stage] = time.perf_counter() - t0
         if progress is not None:
             state = "FAILED" if result.failure else "ok"
-            progress(f"  {stage:<14} {state:<6} {result.stages[stage]:6.1f}s "
+            progress(f"  {stage:<15} {state:<6} {result.stages[stage]:6.1f}s "
                      f"(total {time.perf_counter() - start:.1f}s)")
         if result.failure is not None and result.failure.kind in UNNAMED:
             # A crash or a hang says that something broke, not what: the later stages run

@@ -202,6 +202,9 @@ class TransferOutcomeRecord:
     success: bool
     moved_bytes: int
     error: str | None = None
+    # The first pool whose bytes differ from the plan's copy (built by the caller from
+    # ``spec.plans``' sequential mapping); None when they agree or were not compared.
+    wrong_bytes: str | None = None
 
 
 @dataclass(frozen=True)
@@ -235,12 +238,18 @@ class RefinementRecord:
 @dataclass(frozen=True)
 class BadCallRecord:
     """One call made wrong on purpose, and what it did (A1): the class it raised (None if
-    it was accepted), whether that is a kvcore error, and whether any state changed."""
+    it was accepted), whether that is a kvcore error, and whether any state changed.
+
+    ``mismatch`` says how the error's fields differ from what the call's one fault implies
+    (the argument it names; a copy error's code, index, group, value and bound), empty
+    when they agree or when the caller does not pin them.
+    """
 
     call: str
     raised: str | None
     kvcore_error: bool
     changed: bool
+    mismatch: str = ""
 
 
 @dataclass(frozen=True)
@@ -576,6 +585,9 @@ def x2_valid_plan_carried_out(r: TransferOutcomeRecord) -> list[Violation]:
     if r.moved_bytes != r.planned_bytes:
         return [Violation("X2", f"job {r.job_id} moved {r.moved_bytes} bytes, its plan "
                           f"holds {r.planned_bytes}", {"job": r.job_id})]
+    if r.wrong_bytes is not None:
+        return [Violation("X2", f"job {r.job_id} succeeded but {r.wrong_bytes} differs from "
+                          "the plan's copy", {"job": r.job_id, "pool": r.wrong_bytes})]
     return []
 
 
@@ -640,7 +652,7 @@ def r1_refines_reference(r: RefinementRecord) -> list[Violation]:
 
 
 def a1_bad_call_refused(r: BadCallRecord) -> list[Violation]:
-    """A1: a bad call raises a kvcore error before anything changes.
+    """A1: a bad call raises a kvcore error that says what is wrong, before anything changes.
 
     Accepted, it corrupts the state (a block id past the pool is the copy of vllm#44780);
     a bare builtin error halfway through leaves a half-applied step behind.
@@ -652,6 +664,9 @@ def a1_bad_call_refused(r: BadCallRecord) -> list[Violation]:
                           {"call": r.call, "raised": r.raised})]
     if r.changed:
         return [Violation("A1", f"{r.call}: raised {r.raised} but changed the state",
+                          {"call": r.call, "raised": r.raised})]
+    if r.mismatch:
+        return [Violation("A1", f"{r.call}: raised {r.raised}, but it {r.mismatch}",
                           {"call": r.call, "raised": r.raised})]
     return []
 

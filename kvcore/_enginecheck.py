@@ -1,0 +1,554 @@
+"""``kvcore check``'s "set-up" and "transfer engine" stages: what the simulator never tries.
+
+The simulator builds its engine once, with valid tensors, and sends it only plans the
+scheduler built with its checks on, so the engine's own refusals (a bad argument at
+construction, a bad id in a plan, a freed pool) never run there, and neither does any
+byte mapping the scheduler happens not to produce. These two stages call them directly,
+on the user's layout (its groups and chunk sizes; small pools):
+
+- **set-up**: bad twins of every constructor an engine calls (``OffloadConfig`` fields,
+  ``CPUOffloadManager``, ``OffloadScheduler``, ``TransferEngine`` options, GPU tensors
+  and CPU buffers). Each must raise a kvcore error that names the argument, and start
+  no thread (A1).
+- **transfer engine**: seeded random valid plans of both kinds, every pool compared after
+  each job with a byte model built here from the sequential mapping of ``spec.plans``
+  (X2); between them, bad twins with one fault each (an id past the pool, a null, a
+  negative, a slot past the tier, a slot count one short, a destination written twice,
+  a group missing, wrong types), through ``validate`` and ``submit``: the refusal must
+  carry the code, descriptor index, group, value and bound the fault implies, move no
+  byte and, through ``submit``, end as a failed job (A1); a pool freed in place must be
+  refused (``validate``, E_STORAGE) and a bad ``rebind_gpu_tensors`` must leave the old
+  registration in use.
+
+Bounded: ``cases`` plans on pools of at most a few KiB per tensor.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from kvcore.manager import CPUOffloadManager
+from kvcore.scheduler import OffloadScheduler
+from kvcore.scheduler._checks import enforce
+from kvcore.spec.descriptors import Side, Status
+from kvcore.spec.errors import KVCopyError, KVCoreError, TransferArgumentError
+from kvcore.spec.invariants import BadCallRecord, TransferOutcomeRecord
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
+from kvcore.spec.types import OffloadConfig
+from kvcore.transfer import MAX_QUEUED_JOBS_LIMIT, TransferEngine, cpu_capacity
+
+# Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
+CPU_SLOTS = 6
+MAX_CHUNKS = 3  # chunks per group and job
+ENGINE_CASES = 400
+# What each fault must name: KVCopyError fields (code, descriptor_index, group, value,
+# bound, side) or, for a wrong type, the TransferArgumentError's ``where``.
+Expect = dict[str, object]
+
+
+# -- the byte model ------------------------------------------------------------------------
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A (blocks, row bytes) uint8 view of a pool whose rows are contiguous."""
+    return t.view(torch.uint8).reshape(t.shape[0], -1) if t.dim() > 1 else \
+        t.view(torch.uint8).reshape(t.shape[0], 1)
+
+
+def _layout(config: OffloadConfig, widen: int = 1) -> OffloadConfig:
+    """The user's groups and chunk sizes on small pools: room for MAX_CHUNKS chunks of
+    every group as distinct GPU blocks, and CPU_SLOTS slots. ``widen`` multiplies every
+    group's blocks per chunk: with single-block chunks a store never starts mid-chunk, so
+    the sub-block mapping (and every index derived from it) would go untested."""
+    groups = tuple(replace(g, blocks_per_chunk=g.blocks_per_chunk * widen)
+                   for g in config.groups)
+    top = max(g.blocks_per_chunk for g in groups) * MAX_CHUNKS + 3
+    return replace(config, groups=groups, num_gpu_blocks=top, num_cpu_blocks=CPU_SLOTS)
+
+
+def _tensors(config: OffloadConfig, rng: random.Random) -> list[list[torch.Tensor]]:
+    """Per group: two per-layer tensors (uint8 and float16 rows), or on odd groups two
+    per-layer views of one packed tensor (strided rows), filled with random bytes."""
+    n = config.num_gpu_blocks
+    out: list[list[torch.Tensor]] = []
+    for g in range(len(config.groups)):
+        if g % 2:
+            packed = torch.empty((n, 2, 8), dtype=torch.uint8)
+            ts = [packed[:, 0], packed[:, 1]]
+        else:
+            ts = [torch.empty((n, 16), dtype=torch.uint8),
+                  torch.empty((n, 2, 3), dtype=torch.float16)]
+        for t in ts:
+            _rows(t).copy_(_random_bytes(rng, _rows(t).shape))
+        out.append(ts)
+    return out
+
+
+def _random_bytes(rng: random.Random, shape: Sequence[int]) -> torch.Tensor:
+    count = 1
+    for s in shape:
+        count *= s
+    return torch.frombuffer(bytearray(rng.randbytes(count)), dtype=torch.uint8).reshape(
+        tuple(shape))
+
+
+@dataclass
+class _Model:
+    """What every pool must hold: GPU rows and CPU chunk rows, per group and tensor."""
+
+    gpu: list[list[torch.Tensor]]
+    cpu: list[list[torch.Tensor]]
+
+    def apply(self, plan: TransferPlan, bpc: Sequence[int]) -> int:
+        """Carry the plan out on the model (the sequential mapping); its byte count."""
+        moved = 0
+        for g, gt in enumerate(plan.groups):
+            for i, block in enumerate(gt.gpu_block_ids):
+                chunk, sub = sub_block_position(i, gt.block_index, bpc[g])
+                slot = gt.cpu_slots[chunk]
+                for gpu, cpu in zip(self.gpu[g], self.cpu[g], strict=True):
+                    width = gpu.shape[1]
+                    part = cpu[slot, sub * width:(sub + 1) * width]
+                    if plan.kind is JobKind.STORE:
+                        part.copy_(gpu[block])
+                    else:
+                        gpu[block].copy_(part)
+                    moved += width
+        return moved
+
+    def differs(self, engine: TransferEngine, gpu: list[list[torch.Tensor]]) -> str | None:
+        """The first pool whose bytes are not the model's, or None."""
+        for g, ts in enumerate(gpu):
+            for k, t in enumerate(ts):
+                if not torch.equal(_rows(t), self.gpu[g][k]):
+                    return f"GPU pool [{g}][{k}]"
+                if not torch.equal(engine.cpu_tensor(g, k), self.cpu[g][k]):
+                    return f"CPU tier [{g}][{k}]"
+        return None
+
+
+# -- plans and their faults ----------------------------------------------------------------
+
+def _valid_plan(rng: random.Random, job: int, config: OffloadConfig,
+                caps: Sequence[int]) -> TransferPlan:
+    """A plan every rule allows: per group none, or 1-MAX_CHUNKS chunks from any start."""
+    kind = rng.choice((JobKind.STORE, JobKind.LOAD))
+    top = config.num_gpu_blocks
+    groups = []
+    for g, spec in enumerate(config.groups):
+        bpc = spec.blocks_per_chunk
+        if rng.random() < 0.25:
+            groups.append(GroupTransfer())
+            continue
+        chunks = rng.randint(1, min(MAX_CHUNKS, caps[g]))
+        lead = rng.randrange(bpc)
+        n = rng.randint(max(1, (chunks - 1) * bpc - lead + 1), chunks * bpc - lead)
+        slots = tuple(rng.sample(range(caps[g]), chunks))
+        if kind is JobKind.LOAD:  # destinations distinct; a store may read a block twice
+            ids = tuple(rng.sample(range(1, top), n))
+        else:
+            ids = tuple(rng.randrange(1, top) for _ in range(n))
+        groups.append(GroupTransfer(ids, rng.randrange(3) * bpc + lead, slots))
+    return TransferPlan(job, kind, f"req-{job}", tuple(groups))
+
+
+def _faults(plan: TransferPlan, config: OffloadConfig, caps: Sequence[int],
+            tensors: Sequence[int], rng: random.Random
+            ) -> list[tuple[str, object, Expect]]:
+    """Twins of ``plan`` with one thing wrong, and what the refusal must say."""
+    job, top = plan.job_id, config.num_gpu_blocks
+    out: list[tuple[str, object, Expect]] = [
+        ("not a plan", (job, plan.kind, plan.groups), {"where": "plan"}),
+        ("a bool job id", replace(plan, job_id=True), {"where": "plan.job_id"}),
+        ("a str kind", replace(plan, kind="store"), {"where": "plan.kind"}),  # type: ignore[arg-type]
+        ("a group missing", replace(plan, groups=plan.groups[:-1]),
+         {"code": Status.E_SHAPE, "group": 0, "value": len(plan.groups) - 1,
+          "bound": len(plan.groups)}),
+    ]
+    used = [g for g, gt in enumerate(plan.groups) if gt.gpu_block_ids]
+    if not used:
+        return out
+    g = rng.choice(used)
+    gt = plan.groups[g]
+    bpc = config.groups[g].blocks_per_chunk
+    lead = gt.block_index % bpc
+    first = sum(len(plan.groups[h].gpu_block_ids) * tensors[h] for h in range(g))
+    gpu_side = Side.SRC if plan.kind is JobKind.STORE else Side.DST
+    cpu_side = Side.DST if plan.kind is JobKind.STORE else Side.SRC
+    i = rng.randrange(len(gt.gpu_block_ids))
+    c = rng.randrange(len(gt.cpu_slots))
+
+    def with_group(**change: object) -> TransferPlan:
+        groups = list(plan.groups)
+        groups[g] = replace(gt, **change)  # type: ignore[arg-type]
+        return replace(plan, groups=tuple(groups))
+
+    def ids_with(value: object) -> TransferPlan:
+        return with_group(gpu_block_ids=(*gt.gpu_block_ids[:i], value,
+                                         *gt.gpu_block_ids[i + 1:]))
+
+    def slots_with(at: int, value: int) -> TransferPlan:
+        return with_group(cpu_slots=(*gt.cpu_slots[:at], value, *gt.cpu_slots[at + 1:]))
+
+    at_chunk = first + max(0, c * bpc - lead)  # the first descriptor of chunk c
+    ranged = {"group": g, "descriptor_index": first + i, "side": gpu_side}
+    out += [
+        ("a GPU id past the pool", ids_with(top),
+         {"code": Status.E_ROW_RANGE, "value": top, "bound": top, **ranged}),
+        ("a negative GPU id", ids_with(-1),
+         {"code": Status.E_ROW_RANGE, "value": -1, "bound": top, **ranged}),
+        ("the null block", ids_with(0),
+         {"code": Status.E_NULL_ROW, "value": 0, "bound": top, **ranged}),
+        ("a float id", ids_with(float(gt.gpu_block_ids[i])),
+         {"where": f"job {job} group {g} gpu_block_ids"}),
+        ("ids in a range", with_group(gpu_block_ids=range(1, 3)),
+         {"where": f"job {job} group {g} gpu_block_ids"}),
+        ("a slot past the tier", slots_with(c, caps[g]),
+         {"code": Status.E_ROW_RANGE, "group": g, "descriptor_index": at_chunk,
+          "value": caps[g], "bound": caps[g], "side": cpu_side}),
+        ("one slot short", with_group(cpu_slots=gt.cpu_slots[:-1]),
+         {"code": Status.E_SHAPE, "group": g, "descriptor_index": first,
+          "value": len(gt.cpu_slots) - 1, "bound": len(gt.cpu_slots)}),
+        ("a negative block_index", with_group(block_index=-1),
+         {"code": Status.E_NEGATIVE, "group": g, "descriptor_index": first, "value": -1,
+          "bound": 0}),
+    ]
+    if plan.kind is JobKind.LOAD and len(gt.gpu_block_ids) > 1:
+        j = rng.randrange(1, len(gt.gpu_block_ids))
+        ids = gt.gpu_block_ids
+        twice = with_group(gpu_block_ids=(*ids[:j], ids[rng.randrange(j)], *ids[j + 1:]))
+        out.append(("a GPU block written twice", twice,
+                    {"code": Status.E_DST_OVERLAP, "group": g, "descriptor_index": first + j,
+                     "bound": j}))
+    if plan.kind is JobKind.STORE and len(gt.cpu_slots) > 1:
+        j = rng.randrange(1, len(gt.cpu_slots))
+        out.append(("a CPU chunk written twice", slots_with(j, gt.cpu_slots[rng.randrange(j)]),
+                    {"code": Status.E_DST_OVERLAP, "group": g,
+                     "descriptor_index": first + j * bpc - lead, "bound": j}))
+    return out
+
+
+def _name(exc: BaseException | None) -> str | None:
+    return None if exc is None else type(exc).__name__
+
+
+def _mismatch(exc: BaseException | None, expect: Expect) -> str:
+    """How a refusal differs from what its fault implies ("" when it agrees)."""
+    if exc is None:
+        return ""
+    if "where" in expect:
+        where = getattr(exc, "where", None)
+        if not isinstance(exc, TransferArgumentError) or where != expect["where"]:
+            return f"names {where!r}, the fault is in {expect['where']!r}"
+        return ""
+    if not isinstance(exc, KVCopyError):
+        return f"raised {type(exc).__name__}, a bad id is a KVCopyError"
+    got = {"code": exc.code, "descriptor_index": exc.descriptor_index, "group": exc.group,
+           "value": exc.value, "bound": exc.bound, "side": exc.side}
+    wrong = [f"{k}={got[k]!r} (want {v!r})" for k, v in expect.items() if got[k] != v]
+    return ", ".join(wrong)
+
+
+# -- the stages ----------------------------------------------------------------------------
+
+@dataclass
+class _Bench:
+    """The engine under test, its tensors and the model they must equal."""
+
+    config: OffloadConfig
+    engine: TransferEngine
+    gpu: list[list[torch.Tensor]]
+    model: _Model
+    caps: tuple[int, ...]
+    bpc: tuple[int, ...]
+    checked: dict[str, int]
+
+    @classmethod
+    def open(cls, cfg: OffloadConfig, rng: random.Random,
+             checked: dict[str, int]) -> _Bench:
+        gpu = _tensors(cfg, rng)
+        engine = TransferEngine(cfg, gpu)
+        for g, ts in enumerate(gpu):
+            for k in range(len(ts)):
+                cpu = engine.cpu_tensor(g, k)
+                cpu.copy_(_random_bytes(rng, cpu.shape))
+        model = _Model([[_rows(t).clone() for t in ts] for ts in gpu],
+                       [[engine.cpu_tensor(g, k).clone() for k in range(len(ts))]
+                        for g, ts in enumerate(gpu)])
+        return cls(cfg, engine, gpu, model, tuple(cpu_capacity(cfg, g) for g in
+                                                  range(len(cfg.groups))),
+                   tuple(g.blocks_per_chunk for g in cfg.groups), checked)
+
+    def run(self, plan: TransferPlan) -> None:
+        """A valid plan: carried out whole, and every pool equals the model after (X2)."""
+        planned = self.model.apply(plan, self.bpc)
+        self.engine.submit(plan)
+        (result,) = [r for r in self.engine.wait([plan.job_id]) if r.job_id == plan.job_id]
+        self.engine.poll()
+        wrong = self.model.differs(self.engine, self.gpu)
+        enforce([TransferOutcomeRecord(plan.job_id, planned, result.success, result.bytes,
+                                       result.error, wrong)], self.checked)
+
+    def bounce(self, name: str, twin: object, expect: Expect, job: int) -> None:
+        """One bad twin through ``validate`` and then ``submit`` (A1)."""
+        raised: BaseException | None = None
+        try:
+            self.engine.validate(twin)  # type: ignore[arg-type]
+        except Exception as exc:  # judged below: which class, which fields
+            raised = exc
+        self._record(f"validate: {name}", _name(raised), isinstance(raised, KVCoreError),
+                     _mismatch(raised, expect))
+        try:
+            self.engine.submit(twin)  # type: ignore[arg-type]
+        except Exception as exc:  # a wrong type is refused at submit
+            self._record(f"submit: {name}", _name(exc), isinstance(exc, KVCoreError),
+                         _mismatch(exc, expect))
+            return
+        (result,) = [r for r in self.engine.wait([job]) if r.job_id == job]
+        self.engine.poll()
+        # A bad plan that gets past submit must end as a failed job that moved nothing.
+        self._record(f"submit: {name}", None if result.success else "a failed job", True,
+                     f"moved {result.bytes} bytes" if result.bytes else "")
+
+    def _record(self, call: str, raised: str | None, kvcore_error: bool,
+                mismatch: str) -> None:
+        changed = self.model.differs(self.engine, self.gpu) is not None
+        enforce([BadCallRecord(call, raised, kvcore_error, changed, mismatch)], self.checked)
+
+
+def run_transfer_engine(config: OffloadConfig, cases: int, checked: dict[str, int],
+                        seed: int = 0) -> None:
+    """The "transfer engine" stage: ``cases`` valid plans, bad twins between them, and a
+    freed pool with bad and good rebinds every 40 plans; half on the user's chunk sizes,
+    half with two blocks for each of the user's blocks per chunk (so stores start
+    mid-chunk)."""
+    for widen in (1, 2):
+        _engine_pass(_layout(config, widen), cases // 2, checked, f"{seed}:{widen}")
+
+
+def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: str) -> None:
+    rng = random.Random(f"engine:{seed}")
+    bench = _Bench.open(cfg, rng, checked)
+    tensors = tuple(len(ts) for ts in bench.gpu)
+    try:
+        for job in range(1, cases + 1):
+            plan = _valid_plan(rng, job, bench.config, bench.caps)
+            if rng.random() < 0.5:
+                name, twin, expect = rng.choice(_faults(plan, bench.config, bench.caps,
+                                                        tensors, rng))
+                bench.bounce(name, twin, expect, job)
+            bench.run(plan)
+            if job % 40 == 0:
+                _rebinds(bench, rng, cases + job)
+    finally:
+        bench.engine.close()
+
+
+def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
+    """Bad rebinds change nothing (the next plan still copies the old pools); a pool freed
+    in place is refused (E_STORAGE); a good rebind to fresh pools works."""
+    g = rng.randrange(len(bench.gpu))
+    _bad_rebinds(bench, g)
+    plan = _valid_plan(rng, job, bench.config, bench.caps)
+    bench.run(plan)
+    fresh = [[t.clone() for t in ts] for ts in bench.gpu]
+    while not plan.groups[g].gpu_block_ids:
+        plan = _valid_plan(rng, job, bench.config, bench.caps)
+    only_g = tuple(gt if h == g else GroupTransfer() for h, gt in enumerate(plan.groups))
+    bench.engine.drain()
+    bench.gpu[g][0].untyped_storage().resize_(0)  # what a sleep mode does to a pool
+    raised: BaseException | None = None
+    try:
+        bench.engine.validate(replace(plan, groups=only_g))
+    except Exception as exc:  # judged by the record
+        raised = exc
+    code = getattr(raised, "code", None)
+    wrong = "" if raised is None or code == Status.E_STORAGE else \
+        f"says code={code!r}; a freed pool is E_STORAGE"
+    enforce([BadCallRecord("validate: a pool freed in place", _name(raised),
+                           isinstance(raised, KVCoreError), False, wrong)], bench.checked)
+    bench.engine.rebind_gpu_tensors(fresh)
+    bench.gpu = fresh
+
+
+def _bad_rebinds(bench: _Bench, g: int) -> None:
+    """Rebinds that must be refused, naming the argument."""
+    gpu, n = bench.gpu, bench.config.num_gpu_blocks
+    width = _rows(gpu[g][0]).shape[1]
+
+    def swapped(t: torch.Tensor) -> list[list[torch.Tensor]]:
+        return [[t, *ts[1:]] if h == g else list(ts) for h, ts in enumerate(gpu)]
+
+    twins: list[tuple[str, object, str]] = [
+        ("a group missing", gpu[:-1], "gpu_tensors"),
+        ("a tensor missing", [ts[:-1] if h == g else ts for h, ts in enumerate(gpu)],
+         f"gpu_tensors[{g}]"),
+        ("a wider row", swapped(torch.zeros((n, width + 1), dtype=torch.uint8)),
+         f"gpu_tensors[{g}][0]"),
+        ("one block more", swapped(torch.zeros((n + 1, width), dtype=torch.uint8)),
+         f"gpu_tensors[{g}][0]"),
+    ]
+    for name, tensors, where in twins:
+        raised: BaseException | None = None
+        try:
+            bench.engine.rebind_gpu_tensors(tensors)  # type: ignore[arg-type]
+        except Exception as exc:  # judged by the record
+            raised = exc
+        bench._record(f"rebind_gpu_tensors: {name}", _name(raised),
+                      isinstance(raised, KVCoreError), _named(raised, where))
+
+
+def _named(exc: BaseException | None, *wanted: str) -> str:
+    """"" when the error names one of ``wanted`` (a ConfigError's field, an argument
+    error's argument or where), else what it names instead."""
+    if exc is None:
+        return ""
+    names = {getattr(exc, a, None) for a in ("field", "argument", "where")}
+    if names & set(wanted):
+        return ""
+    got = sorted(str(x) for x in names if x is not None)
+    return f"names {', '.join(got) or 'nothing'}; the fault is in {' or '.join(wanted)}"
+
+
+# -- the set-up stage ----------------------------------------------------------------------
+
+Call = Callable[[], object]
+# One bad value per kind of OffloadConfig / GroupSpec field, by its declared type.
+BAD_VALUES: dict[str, tuple[object, ...]] = {
+    "int": (-1, True), "int | None": (-1, 1.5), "bool": (1, "yes"), "str": (7,),
+    "StoreLevel": ("block",), "tuple[GroupSpec, ...]": ((),), "GroupKind": ("full",),
+}
+
+
+def _config_twins(config: OffloadConfig) -> list[tuple[str, Call, tuple[str, ...]]]:
+    """``OffloadConfig`` and each ``GroupSpec`` with one field of a wrong type or range."""
+    out: list[tuple[str, Call, tuple[str, ...]]] = []
+    for f in fields(config):
+        for bad in BAD_VALUES.get(str(f.type), ()):
+            def top(n: str = f.name, v: object = bad) -> object:
+                return replace(config, **{n: v})  # type: ignore[arg-type]
+            out.append((f"OffloadConfig: {f.name}={bad!r}", top, (f.name,)))
+    for g, spec in enumerate(config.groups):
+        for f in fields(spec):
+            for bad in BAD_VALUES.get(str(f.type), ()):
+                def call(g: int = g, n: str = f.name, v: object = bad) -> object:
+                    groups = list(config.groups)
+                    groups[g] = replace(config.groups[g], **{n: v})  # type: ignore[arg-type]
+                    return replace(config, groups=tuple(groups))
+                out.append((f"GroupSpec {g}: {f.name}={bad!r}", call,
+                            (f"groups[{g}].{f.name}", f"groups[{g}]")))
+    return out
+
+
+def _object_twins(config: OffloadConfig) -> list[tuple[str, Call, tuple[str, ...]]]:
+    """The manager's and the scheduler's constructors with one argument wrong."""
+    def manager() -> CPUOffloadManager:
+        return CPUOffloadManager.for_config(config)
+    return [
+        ("CPUOffloadManager: capacity=-1", lambda: CPUOffloadManager(-1), ("capacity",)),
+        ("CPUOffloadManager: capacity=True", lambda: CPUOffloadManager(True), ("capacity",)),
+        ("CPUOffloadManager: policy='fifo'", lambda: CPUOffloadManager(4, "fifo"),
+         ("policy",)),
+        ("CPUOffloadManager: policy=b'lru'", lambda: CPUOffloadManager(4, b"lru"),  # type: ignore[arg-type]
+         ("policy",)),
+        ("CPUOffloadManager: check='yes'", lambda: CPUOffloadManager(4, check="yes"),  # type: ignore[arg-type]
+         ("check",)),
+        ("CPUOffloadManager: max_pending_events=-1",
+         lambda: CPUOffloadManager(4, max_pending_events=-1), ("max_pending_events",)),
+        ("CPUOffloadManager.for_config: a dict", lambda: CPUOffloadManager.for_config({}),  # type: ignore[arg-type]
+         ("config",)),
+        ("CPUOffloadManager.for_config: policy='mru'",
+         lambda: CPUOffloadManager.for_config(config, "mru"), ("policy",)),
+        ("OffloadScheduler: a dict config", lambda: OffloadScheduler({}, manager()),  # type: ignore[arg-type]
+         ("config",)),
+        ("OffloadScheduler: no manager", lambda: OffloadScheduler(config, None), ("manager",)),
+        ("OffloadScheduler: check='no'", lambda: OffloadScheduler(config, manager(),
+                                                                   check="no"),  # type: ignore[arg-type]
+         ("check",)),
+    ]
+
+
+def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes: int
+                  ) -> list[tuple[str, Call, tuple[str, ...]]]:
+    """``TransferEngine`` built with one option, tensor or CPU buffer wrong."""
+    n, g = cfg.num_gpu_blocks, len(gpu) - 1
+    where = f"gpu_tensors[{g}][0]"
+
+    def with_tensor(t: object) -> list[list[object]]:
+        return [[t, *ts[1:]] if h == g else list(ts) for h, ts in enumerate(gpu)]
+
+    def engine(tensors: object = gpu, **kw: object) -> Call:
+        return lambda: TransferEngine(cfg, tensors, **kw)  # type: ignore[arg-type]
+
+    shrunk = torch.zeros(2 * n * 16, dtype=torch.uint8)
+    behind = shrunk[n * 16:].view(n, 16)  # a view at an offset into its storage ...
+    shrunk.untyped_storage().resize_(n * 16 + 8)  # ... whose storage no longer covers it
+    shared = [list(ts) for ts in gpu]
+    shared[g] = [gpu[0][0], *gpu[g][1:]] if g else [gpu[0][0], gpu[0][0]]
+    out: list[tuple[str, Call, tuple[str, ...]]] = [
+        ("a dict config", lambda: TransferEngine({}, gpu), ("config",)),  # type: ignore[arg-type]
+        ("a tensor for gpu_tensors", engine(gpu[0][0]), ("gpu_tensors",)),
+        ("a group missing", engine(gpu[:-1]), ("gpu_tensors",)),
+        ("cuda_method='bogus'", engine(cuda_method="bogus"), ("cuda_method",)),
+        ("pin_memory='yes'", engine(pin_memory="yes"), ("pin_memory",)),
+        ("max_queued_jobs=0", engine(max_queued_jobs=0), ("max_queued_jobs",)),
+        ("max_queued_jobs past the limit", engine(max_queued_jobs=MAX_QUEUED_JOBS_LIMIT + 1),
+         ("max_queued_jobs",)),
+        ("max_queued_jobs=True", engine(max_queued_jobs=True), ("max_queued_jobs",)),
+        ("a group without tensors", engine([[] if h == g else ts for h, ts in enumerate(gpu)]),
+         (f"gpu_tensors[{g}]",)),
+        ("a list for a tensor", engine(with_tensor([[0] * 16] * n)), (where,)),
+        ("one block more", engine(with_tensor(torch.zeros((n + 1, 16), dtype=torch.uint8))),
+         (where,)),
+        ("rows not contiguous", engine(with_tensor(torch.zeros((n, 3, 2)).transpose(1, 2))),
+         (where,)),
+        ("a 0-d tensor", engine(with_tensor(torch.tensor(5))), (where,)),
+        ("storage shrunk under a view", engine(with_tensor(behind)), (where,)),
+        ("one tensor registered twice", engine(shared),
+         (f"gpu_tensors[{g}][0]", f"gpu_tensors[{g}][1]", "gpu_tensors[0][0]")),
+    ]
+    buffers: list[tuple[str, object, dict[str, object]]] = [
+        ("a list of buffers one short", [torch.empty(1, dtype=torch.uint8)] * g, {}),
+        ("a byte too few", torch.empty(tier_bytes - 1, dtype=torch.uint8), {}),
+        ("a byte too many", torch.empty(tier_bytes + 1, dtype=torch.uint8), {}),
+        ("misaligned", torch.empty(tier_bytes + 64, dtype=torch.uint8)[1:tier_bytes + 1], {}),
+        ("strided", torch.empty(2 * tier_bytes, dtype=torch.uint8)[::2], {}),
+        ("not pinned for pin_memory=True", torch.empty(tier_bytes, dtype=torch.uint8),
+         {"pin_memory": True}),
+        # Of exactly ``tier_bytes`` elements, contiguous and aligned: only the dtype or the
+        # shape is wrong.
+        ("float32", torch.empty(tier_bytes, dtype=torch.float32), {}),
+        ("2-D", torch.empty((tier_bytes, 1), dtype=torch.uint8), {}),
+    ]
+    for name, buf, kw in buffers:
+        out.append((f"cpu_buffer {name}", engine(cpu_buffer=buf, **kw), ("cpu_buffer",)))
+    return [(f"TransferEngine: {name}", call, want) for name, call, want in out]
+
+
+def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
+    """The "set-up" stage: every constructor twin must raise a kvcore error naming the
+    argument, and leave no thread behind (A1)."""
+    cfg = _layout(config)
+    gpu = _tensors(cfg, random.Random("setup"))
+    with TransferEngine(cfg, gpu) as good:  # the exact CPU tier a buffer must match
+        tier_bytes = good.pinned_bytes()
+    exact = torch.empty(tier_bytes, dtype=torch.uint8)
+    TransferEngine(cfg, gpu, cpu_buffer=exact).close()  # and a buffer of that size serves
+    twins = _config_twins(config) + _object_twins(config) + _engine_twins(cfg, gpu, tier_bytes)
+    for name, call, wanted in twins:
+        threads = threading.active_count()
+        raised: BaseException | None = None
+        made: object = None
+        try:
+            made = call()
+        except Exception as exc:  # judged by the record
+            raised = exc
+        if isinstance(made, TransferEngine):
+            made.close()
+        enforce([BadCallRecord(name, _name(raised), isinstance(raised, KVCoreError),
+                               threading.active_count() > threads, _named(raised, *wanted))],
+                checked)

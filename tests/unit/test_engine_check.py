@@ -1,0 +1,104 @@
+"""``kvcore check``'s "set-up" and "transfer engine" stages (``kvcore._enginecheck``).
+
+Goal: the stages pass on every preset, and each catches, under its named invariant, a
+defect patched into the engine code it exists to check: a refusal skipped, a refusal that
+names the wrong field, a copy to the wrong place. Each test names the mutant it kills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvcore import _enginecheck
+from kvcore.presets import PRESETS, preset
+from kvcore.spec.errors import InvariantViolation
+from kvcore.spec.plans import JobKind
+from kvcore.transfer import _engine, _memory, _plans, _setup
+
+DEFAULT = "deepseek-v4-mtp"
+
+
+def both_stages(name: str = DEFAULT) -> dict[str, int]:
+    checked: dict[str, int] = {}
+    _enginecheck.run_setup(preset(name), checked)
+    _enginecheck.run_transfer_engine(preset(name), _enginecheck.ENGINE_CASES, checked)
+    return checked
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_both_stages_pass_and_count_their_checks(name: str) -> None:
+    checked = both_stages(name)
+    # Every constructor twin and two records per plan twin (validate, submit) for A1;
+    # one outcome per valid plan for X2.
+    assert checked["A1"] > 300
+    assert checked["X2"] >= _enginecheck.ENGINE_CASES
+
+
+def caught(ids: str, stage: Callable[[], Any] = both_stages) -> str:
+    with pytest.raises(InvariantViolation) as info:
+        stage()
+    assert ids in info.value.ids, info.value
+    return str(info.value)
+
+
+def test_a_skipped_storage_check_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``_storage_error`` never looks at a pool (a freed pool is copied)."""
+    monkeypatch.setattr(_engine.TransferEngine, "_storage_error", lambda self, plan: None)
+    assert "a pool freed in place: accepted" in caught("A1")
+
+
+def test_unchecked_options_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the constructor's option checks removed (max_queued_jobs=0 accepted)."""
+    monkeypatch.setattr(_engine, "_check_options", lambda *args: None)
+    caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_an_unchecked_cpu_buffer_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the CPU buffer taken as given (a float32 or 2-D buffer accepted)."""
+    monkeypatch.setattr(_memory, "_check_buffer", lambda buf, *args: buf)
+    monkeypatch.setattr(_setup, "_check_buffer", lambda buf, *args: buf)
+    caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_python_plan_checks_removed_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the Python range and double-write checks skipped; the C library still
+    refuses, but its error no longer names the plan's group and position as the fault
+    implies (or a slot past the tier goes unrefused)."""
+    monkeypatch.setattr(_plans, "_check_group_ranges", lambda *args: None)
+    caught("A1")
+
+
+def test_a_wrong_error_index_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: refusals report the next descriptor (an off-by-one in the index)."""
+    real = _plans._kv_error
+
+    def shifted(message: str, code: int, *, index: int | None, **kw: Any) -> Any:
+        return real(message, code, index=None if index is None else index + 1, **kw)
+    monkeypatch.setattr(_plans, "_kv_error", shifted)
+    assert "descriptor_index=" in caught("A1")
+
+
+def test_a_copy_to_the_wrong_sub_block_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: a store writes sub-blocks of a chunk in reverse order (destinations still
+    distinct, so the C library accepts it); only the pass with two-block chunks sees it."""
+    real = _plans._group_table
+
+    def reversed_subs(kind: JobKind, grp: Any, bpc: int, regs: Any) -> torch.Tensor:
+        table = real(kind, grp, bpc, regs).clone()
+        if kind is JobKind.STORE:
+            table[:, 5] = (bpc - 1) * table[:, 6] - table[:, 5]
+        return table
+    monkeypatch.setattr(_plans, "_group_table", reversed_subs)
+    assert "differs from the plan's copy" in caught("X2")
+
+
+def test_a_truthy_check_flag_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``checks_enabled`` takes any value (check='no' turns checks on)."""
+    from kvcore.scheduler import scheduler
+
+    monkeypatch.setattr(scheduler, "checks_enabled", lambda flag: bool(flag))
+    assert "check='no'" in caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
