@@ -529,6 +529,17 @@ def test_keep_rule_is_derived_once_per_config_and_group(monkeypatch: pytest.Monk
     assert calls == [(id(cfg), 1), (id(twin), 1)]
 
 
+def test_kept_offsets_drop_empty_spans_and_merge_the_rest() -> None:
+    """The keep rule always passes a range's wrapped part, ``(0, stop - a)``, empty or
+    negative when the range fits its segment: such a span must add no offset (a kept
+    ``-1`` would count towards "the kept offsets fill the segment" and turn the rule off),
+    and spans that touch or overlap become one."""
+    kept = KeptOffsets.of(8, [(6, 8), (0, -2), (3, 3), (0, 0), (0, 1), (5, 7)])
+    assert kept.spans == ((0, 1), (5, 8))
+    assert len(kept) == 4 and list(kept) == [0, 5, 6, 7]
+    assert -1 not in kept and -2 not in kept and 3 not in kept
+
+
 OfferCase = tuple[OffloadConfig, int, int, int, int, tuple[int, ...]]
 
 
