@@ -377,6 +377,21 @@ def test_wrongly_typed_ids(bad_id: object) -> None:
     engine.close()
 
 
+def test_a_huge_bad_value_is_named_in_a_short_message() -> None:
+    """A plan whose group, or whose id list, is a 100,000-character string is refused with
+    a message that names the value cut to 60 characters (``short_repr``), not all of it."""
+    engine, _tensors = make_engine((1,), layers=1)
+    huge = "x" * 100_000
+    cut = "'" + "x" * 55 + "...>"
+    for plan in (TransferPlan(1, JobKind.STORE, "r", (huge,)),  # type: ignore[arg-type]
+                 TransferPlan(2, JobKind.STORE, "r", (GroupTransfer(huge, 0, (0,)),))):  # type: ignore[arg-type]
+        with pytest.raises(TransferArgumentError) as info:
+            engine.validate(plan)
+        text = str(info.value)
+        assert cut in text and len(text) < 160, text
+    engine.close()
+
+
 # -- registration ---------------------------------------------------------------------------
 
 def _pool(dtype: torch.dtype = torch.float32) -> torch.Tensor:
