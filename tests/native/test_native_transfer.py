@@ -383,8 +383,9 @@ def test_a_huge_bad_value_is_named_in_a_short_message() -> None:
     engine, _tensors = make_engine((1,), layers=1)
     huge = "x" * 100_000
     cut = "'" + "x" * 55 + "...>"
-    for plan in (TransferPlan(1, JobKind.STORE, "r", (huge,)),  # type: ignore[arg-type]
-                 TransferPlan(2, JobKind.STORE, "r", (GroupTransfer(huge, 0, (0,)),))):  # type: ignore[arg-type]
+    as_group = TransferPlan(1, JobKind.STORE, "r", (huge,))  # type: ignore[arg-type]
+    as_ids = TransferPlan(2, JobKind.STORE, "r", (GroupTransfer(huge, 0, (0,)),))  # type: ignore[arg-type]
+    for plan in (as_group, as_ids):
         with pytest.raises(TransferArgumentError) as info:
             engine.validate(plan)
         text = str(info.value)
