@@ -244,7 +244,11 @@ class KeptOffsets:
 
     @classmethod
     def of(cls, period: int, spans: list[tuple[int, int]]) -> KeptOffsets:
-        """Merge overlapping or touching spans (each within ``[0, period]``)."""
+        """Merge overlapping or touching spans (each within ``[0, period]``).
+
+        An empty span (``start >= stop``, a negative ``stop`` included) is dropped, so a
+        caller may always pass a range's wrapped part and leave it empty when nothing wraps.
+        """
         merged: list[tuple[int, int]] = []
         for start, stop in sorted(s for s in spans if s[0] < s[1]):
             if merged and start <= merged[-1][1]:

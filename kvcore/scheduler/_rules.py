@@ -211,7 +211,10 @@ def _keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None
         # Under the N - 1 limit, Mamba rounds the boundary down to its own chunk end.
         ends.append(ends[0] - ends[0] % mamba)
     # Each needed range becomes one or two spans modulo ``a``, so the cost is the same for
-    # a 128-token window and a 16M-token one (no loop over the window's chunks).
+    # a 128-token window and a 16M-token one (no loop over the window's chunks). Always two
+    # spans, the wrapped part empty (``stop - a <= 0``) when the range fits the segment:
+    # ``KeptOffsets.of`` drops empty spans, and a branch here would have a boundary (the
+    # range ending exactly at ``a``) where both arms agree, which no test can tell apart.
     spans: list[tuple[int, int]] = []
     for boundary in ends:
         rng = needed_chunks(g, boundary, 0)
@@ -222,7 +225,7 @@ def _keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None
             return None  # this range alone covers every offset
         start = lo % a
         stop = start + (hi - lo)
-        spans.extend([(start, stop)] if stop <= a else [(start, a), (0, stop - a)])
+        spans.extend([(start, min(stop, a)), (0, stop - a)])
     kept = KeptOffsets.of(a, spans)
     if len(kept) >= a:
         return None

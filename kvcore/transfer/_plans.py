@@ -140,7 +140,9 @@ def _check_group_ranges(plan: TransferPlan, g: int, grp: _GroupIds, bpc: int,
     seen: set[int] = set()
     for pos, x in enumerate(written):
         if x in seen:
-            i = pos if plan.kind is JobKind.LOAD else max(0, pos * bpc - lead)
+            # A repeat is never the first chunk (pos >= 1), and lead < bpc, so the chunk's
+            # first block is pos * bpc - lead >= 1: no clamp at 0 as for a bad slot above.
+            i = pos if plan.kind is JobKind.LOAD else pos * bpc - lead
             what = "GPU block" if plan.kind is JobKind.LOAD else "CPU chunk"
             raise _kv_error(f"{ctx}: destination {what} {x} is written twice in one job; "
                             "no bytes were copied.", Status.E_DST_OVERLAP, job_id=plan.job_id,

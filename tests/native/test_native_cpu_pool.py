@@ -170,6 +170,35 @@ def test_bad_cpu_buffers_are_refused(why: str, make: Callable[[int], Any]) -> No
     assert info.value.where.startswith("cpu_buffer"), info.value
 
 
+WRONG_SHAPES: list[tuple[str, Callable[[int], torch.Tensor]]] = [
+    ("float32, n elements", lambda n: torch.zeros(n, dtype=torch.float32)),
+    ("float32, n bytes", lambda n: torch.zeros(n // 4, dtype=torch.float32)),
+    ("int8, n elements", lambda n: torch.zeros(n, dtype=torch.int8)),
+    ("uint8 (n, 1)", lambda n: torch.zeros((n, 1), dtype=torch.uint8)),
+    ("uint8 (1, n)", lambda n: torch.zeros((1, n), dtype=torch.uint8)),
+]
+
+
+@pytest.mark.parametrize(("why", "make"), WRONG_SHAPES, ids=[row[0] for row in WRONG_SHAPES])
+def test_a_buffer_of_another_dtype_or_shape_is_refused_as_such(
+        why: str, make: Callable[[int], torch.Tensor]) -> None:
+    """The tier is addressed as flat bytes, so only a 1-D uint8 buffer is accepted, and the
+    refusal says so: a float32 or int8 buffer with the right element count, or a uint8 one
+    of shape (n, 1), would pass every later check (size, stride) and be used as if it were
+    bytes; a float32 one of the right byte size would be refused as n/4 "bytes" long.
+
+    Kills a dtype-and-dimension test joined by ``and`` instead of ``or`` (either check
+    alone then lets the other through)."""
+    cfg, tensors, total = _small()
+    buf = make(total)
+    with pytest.raises(TransferArgumentError) as info:
+        TransferEngine(cfg, tensors, cpu_buffer=buf)
+    assert info.value.where == "cpu_buffer", info.value
+    text = str(info.value)
+    assert "must be a 1-D uint8 tensor" in text and str(buf.dtype) in text, text
+    assert str(tuple(buf.shape)) in text, text
+
+
 def test_an_unpinned_buffer_is_refused_where_pinned_memory_is_needed() -> None:
     cfg, tensors, total = _small()
     with pytest.raises(TransferArgumentError) as info:

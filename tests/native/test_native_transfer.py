@@ -305,6 +305,62 @@ def test_failed_job_names_the_id_and_its_bound() -> None:
     engine.close()
 
 
+def _first_block_in_chunk(pos: int, n: int, block_index: int, bpc: int) -> int:
+    """The first of ``n`` blocks (starting at ``block_index``) that lands in chunk ``pos``,
+    found by scanning the spec's sub-block mapping, not by the engine's arithmetic."""
+    return next(i for i in range(n) if sub_block_position(i, block_index, bpc)[0] == pos)
+
+
+# (kind, group 1's transfer, the id written twice, its position in the written list)
+DOUBLE_WRITES = [
+    ("load, GPU block", JobKind.LOAD, GroupTransfer((3, 5, 7, 5), 0, (1, 2)), 5, 3),
+    ("store, CPU chunk, no lead", JobKind.STORE, GroupTransfer((2, 3, 4, 5, 6, 7, 8), 0, (1, 4, 4)),
+     4, 2),
+    # block_index 4 with 3 blocks per chunk: the first chunk holds 2 blocks (lead 1).
+    ("store, CPU chunk, lead 1", JobKind.STORE,
+     GroupTransfer((2, 3, 4, 5, 6, 7), 4, (2, 4, 4)), 4, 2),
+    ("store, CPU chunk, lead 2", JobKind.STORE, GroupTransfer((2, 3, 4, 5), 5, (0, 0)), 0, 1),
+]
+
+
+@pytest.mark.parametrize(("why", "kind", "gt", "twice", "pos"), DOUBLE_WRITES,
+                         ids=[row[0] for row in DOUBLE_WRITES])
+def test_a_destination_written_twice_is_named_exactly(why: str, kind: JobKind,
+                                                      gt: GroupTransfer, twice: int,
+                                                      pos: int) -> None:
+    """A job that writes one GPU block (load) or one CPU chunk (store) twice would leave
+    whichever copy ran last, so it is refused whole: ``validate`` raises E_DST_OVERLAP
+    naming the destination, the job, the group and the first descriptor of the second
+    write, and ``submit`` finishes it failed with zero bytes and no byte changed.
+
+    The descriptor index is found independently: group 0's descriptors come first (its
+    blocks x its tensors), and within group 1 the second write starts at the load's
+    position, or at the store chunk's first block by the spec's sub-block mapping. Kills a
+    missing Python double-write check (the C library's refusal names no role or job) and
+    a store index computed with ``+ lead`` instead of ``- lead``."""
+    bpc = 3
+    engine, tensors = make_engine((1, bpc), layers=2)
+    model = Model(engine, tensors)
+    other = GroupTransfer((8, 9), 0, (0, 5))
+    plan = TransferPlan(41, kind, "r", (other, gt))
+    first = len(other.gpu_block_ids) * len(tensors[0])
+    n = len(gt.gpu_block_ids)
+    within = pos if kind is JobKind.LOAD else _first_block_in_chunk(pos, n, gt.block_index, bpc)
+    with pytest.raises(KVCopyError) as info:
+        engine.validate(plan)
+    e = info.value
+    assert (e.code, e.descriptor_index, e.job_id, e.group, e.value) == \
+        (Status.E_DST_OVERLAP, first + within, 41, 1, twice)
+    what = "GPU block" if kind is JobKind.LOAD else "CPU chunk"
+    assert str(e) == (f"{kind.value}, job 41, group 1: destination {what} {twice} is written "
+                      "twice in one job; no bytes were copied.")
+    before = model.snapshot()
+    result = run_job(engine, plan)
+    assert not result.success and result.bytes == 0 and result.error == str(e)
+    assert model.snapshot() == before
+    engine.close()
+
+
 @pytest.mark.parametrize("bad_id", [1.0, "3", None, True])
 def test_wrongly_typed_ids(bad_id: object) -> None:
     engine, _tensors = make_engine((1,), layers=1)
@@ -318,6 +374,22 @@ def test_wrongly_typed_ids(bad_id: object) -> None:
     assert rows_of(engine.cpu_tensor(0, 0)) == before
     with pytest.raises(ValueError):
         engine.submit("not a plan")  # type: ignore[arg-type]
+    engine.close()
+
+
+def test_a_huge_bad_value_is_named_in_a_short_message() -> None:
+    """A plan whose group, or whose id list, is a 100,000-character string is refused with
+    a message that names the value cut to 60 characters (``short_repr``), not all of it."""
+    engine, _tensors = make_engine((1,), layers=1)
+    huge = "x" * 100_000
+    cut = "'" + "x" * 55 + "...>"
+    as_group = TransferPlan(1, JobKind.STORE, "r", (huge,))  # type: ignore[arg-type]
+    as_ids = TransferPlan(2, JobKind.STORE, "r", (GroupTransfer(huge, 0, (0,)),))  # type: ignore[arg-type]
+    for plan in (as_group, as_ids):
+        with pytest.raises(TransferArgumentError) as info:
+            engine.validate(plan)
+        text = str(info.value)
+        assert cut in text and len(text) < 160, text
     engine.close()
 
 

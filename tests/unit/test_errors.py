@@ -15,6 +15,7 @@ import kvcore
 from kvcore.manager import _capacity
 from kvcore.presets import preset
 from kvcore.spec import errors
+from kvcore.transfer import short_repr
 
 CLASSES = [c for _, c in inspect.getmembers(errors, inspect.isclass)
            if issubclass(c, BaseException) and c.__module__ == errors.__name__]
@@ -59,3 +60,29 @@ def test_pool_sizing_refuses_what_is_not_a_config_or_a_group(call: object, error
     with pytest.raises(error):
         call()  # type: ignore[operator]
 
+
+
+class _Repr:
+    """An object whose repr is exactly the given text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+@pytest.mark.parametrize("length", [1, 59, 60, 61, 62, 10_000])
+def test_values_in_transfer_messages_are_cut_to_60_characters(length: int) -> None:
+    """A transfer error names the offending value by its repr, at most 60 characters, so a
+    huge id list or object cannot flood a log: a repr that fits is shown whole, a longer
+    one keeps as much as fits (56 characters) and ends in "...>" so it reads as cut.
+
+    Kills a bound moved by one either way (``<= 61`` lets a 61-character repr through whole,
+    ``< 60`` cuts one that fits) and a cut that keeps more or fewer than 56 characters."""
+    text = "<" + "x" * (length - 1)
+    shown = short_repr(_Repr(text))
+    if length <= 60:
+        assert shown == text
+    else:
+        assert shown == text[:56] + "...>" and len(shown) == 60

@@ -21,13 +21,14 @@ prompt and looks it up again: the chunks skipped as unreachable must not be need
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from spec_strategies import FULL, HIT, MAMBA, MISS, SLIDING, configs, make_config
 
+from kvcore.scheduler import _rules
 from kvcore.scheduler._rules import (
     GroupOffer,
     chunk_reachable,
@@ -46,7 +47,7 @@ from kvcore.spec.invariants import (
 )
 from kvcore.spec.lookup import hit_for, needed_chunks, read_at_segment_end
 from kvcore.spec.model import store_walk
-from kvcore.spec.types import GroupSpec, OffloadConfig, cdiv
+from kvcore.spec.types import GroupSpec, KeptOffsets, OffloadConfig, cdiv
 
 # -- driver -------------------------------------------------------------------------------
 
@@ -492,6 +493,51 @@ def test_keep_rule_agrees_with_the_reference(cfg: OffloadConfig) -> None:
     for chunk in range(4 * a + 3):
         assert chunk_reachable(cfg, group, chunk) == read_at_segment_end(cfg, group, chunk), \
             (cfg.groups, chunk)
+
+
+def test_keep_rule_is_derived_once_per_config_and_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cost property of the store path: ``group_offer`` asks for the keep rule of every
+    SLIDING group at every step, and deriving it walks the lookup rule, so it must be
+    derived once per (config, group) and served from the cache after that. The cache is
+    keyed by the config's identity: an equal config built anew is derived afresh (and
+    agrees), never served another object's entry.
+
+    Kills a cache whose hit test never matches (``hit[-1] is cfg``: the same answers,
+    re-derived at every step) and one keyed by the config's value (hashing it).
+    """
+    calls: list[tuple[int, int]] = []
+    derive = _rules._keep_rule
+
+    def counting(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None:
+        calls.append((id(cfg), group))
+        return derive(cfg, group)
+
+    monkeypatch.setattr(_rules, "_keep_rule", counting)
+    monkeypatch.setattr(_rules, "_KEEP_CACHE", {})
+    cfg = make_config(GroupSpec(FULL, 8), GroupSpec(SLIDING, 2, window_tokens=4))
+    table = tuple(range(1, 65))
+    for frontier in range(8, 129, 8):  # 16 steps of one request's prefill
+        group_offer(cfg, 1, 0, frontier, frontier, table)
+    rule = keep_rule(cfg, 1)
+    assert rule is not None and rule[0] == 4
+    assert calls == [(id(cfg), 1)]
+    twin = replace(cfg)
+    assert twin == cfg and twin is not cfg
+    assert keep_rule(twin, 1) == rule
+    assert keep_rule(twin, 1) == rule
+    assert keep_rule(cfg, 1) == rule
+    assert calls == [(id(cfg), 1), (id(twin), 1)]
+
+
+def test_kept_offsets_drop_empty_spans_and_merge_the_rest() -> None:
+    """The keep rule always passes a range's wrapped part, ``(0, stop - a)``, empty or
+    negative when the range fits its segment: such a span must add no offset (a kept
+    ``-1`` would count towards "the kept offsets fill the segment" and turn the rule off),
+    and spans that touch or overlap become one."""
+    kept = KeptOffsets.of(8, [(6, 8), (0, -2), (3, 3), (0, 0), (0, 1), (5, 7)])
+    assert kept.spans == ((0, 1), (5, 8))
+    assert len(kept) == 4 and list(kept) == [0, 5, 6, 7]
+    assert -1 not in kept and -2 not in kept and 3 not in kept
 
 
 OfferCase = tuple[OffloadConfig, int, int, int, int, tuple[int, ...]]
