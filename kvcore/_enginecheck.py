@@ -337,10 +337,10 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
     try:
         for job in range(1, cases + 1):
             plan = _valid_plan(rng, job, bench.config, bench.caps)
-            if rng.random() < 0.5:
-                name, twin, expect = rng.choice(_faults(plan, bench.config, bench.caps,
-                                                        tensors, rng))
-                bench.bounce(name, twin, expect, job)
+            if rng.random() < 0.5:  # every fault of this plan, one at a time
+                for name, twin, expect in _faults(plan, bench.config, bench.caps, tensors,
+                                                  rng):
+                    bench.bounce(name, twin, expect, job)
             bench.run(plan)
             if job % 40 == 0:
                 _rebinds(bench, rng, cases + job)

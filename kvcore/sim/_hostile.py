@@ -9,7 +9,8 @@ groups, a report from a worker that does not exist or for a job never issued, a 
 report from one worker, a hash of the wrong type or length. The twin must raise a kvcore
 argument error and leave the scheduler, its tier and the tier's policy exactly as they
 were (a deep ``snapshot``); then the real call goes through. Bounded: at most one twin
-per real call, about three in ten calls, at most ``limit`` (60) in a run.
+per real call, about three in ten calls, at most ``limit`` (60) in a run; of the twins a
+call offers, one of the kinds bounced least so far.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Hostile:
         self.counts = counts
         self.rate = rate
         self.left = limit
+        self.used: dict[str, int] = {}
         cfg = impl.config
         self.top = cfg.num_gpu_blocks
         self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
@@ -54,7 +56,11 @@ class Hostile:
         if not twins or self.left <= 0 or self.rng.random() >= self.rate:
             return
         self.left -= 1
-        name, call = self.rng.choice(twins)
+        # The kind bounced least so far: a twin that applies only now and then (a resumed
+        # table) is not starved by the ones every call offers.
+        least = min(self.used.get(name, 0) for name, _ in twins)
+        name, call = self.rng.choice([t for t in twins if self.used.get(t[0], 0) == least])
+        self.used[name] = self.used.get(name, 0) + 1
         before = snapshot(self.impl)
         raised: BaseException | None = None
         try:
