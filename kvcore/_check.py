@@ -85,9 +85,10 @@ POLICIES = ("lru", "arc")
 PROFILES: tuple[dict[str, Any], ...] = (
     {"fail_rate": 0.0, "delay_rate": 0.0, "abort_rate": 0.0, "reset_rate": 0.0},
     {"fail_rate": 0.1, "delay_rate": 0.5, "abort_rate": 0.03, "reset_rate": 0.03,
-     "preempt_rate": 0.05},
+     "preempt_rate": 0.05, "events_rate": 0.5},
     {"fail_rate": 0.05, "delay_rate": 0.3, "abort_rate": 0.0, "reset_rate": 0.05,
-     "num_cpu_blocks": 48, "num_gpu_blocks": 700, "preempt_rate": 0.1},
+     "num_cpu_blocks": 48, "num_gpu_blocks": 700, "preempt_rate": 0.1,
+     "events_rate": 0.2, "max_pending_events": 24},
 )
 # What the config lets the engine vary, crossed with the profiles: the storable prefix U
 # below the frontier V (prompt only; a config cap; per-request caps) and GPU prefix-cache

@@ -100,6 +100,8 @@ class Simulator:
             overrides["num_gpu_blocks"] = opts.num_gpu_blocks
         if opts.num_cpu_blocks is not None:
             overrides["num_cpu_blocks"] = opts.num_cpu_blocks
+        if opts.max_pending_events is not None:
+            overrides["max_pending_events"] = opts.max_pending_events
         from dataclasses import replace
         self.config = cfg = replace(config, **overrides)
         self.rng = random.Random(f"sim:{opts.seed}")
@@ -107,7 +109,8 @@ class Simulator:
         # With checks on, the tier runs in lock step with the reference manager (M2); the
         # reference is quadratic by design, so only for tiers the size kvcore check uses.
         shadow = check and cfg.num_cpu_blocks <= SHADOW_MAX_CHUNKS
-        self.manager: Any = ShadowedManager(cpu_capacities(cfg), policy, check=True) \
+        self.manager: Any = ShadowedManager(cpu_capacities(cfg), policy, check=True,
+                                            max_pending_events=cfg.max_pending_events) \
             if shadow else CPUOffloadManager.for_config(cfg, policy, check=check)
         # Checks the simulator makes itself, outside the code under test (X1, X2, R1).
         self.checked: dict[str, int] = {}
@@ -241,6 +244,8 @@ class Simulator:
         if self.options.preempt_rate and self.running \
                 and self.rng.random() < self.options.preempt_rate:
             self.preempt(self.rng.choice(self.running).request_id)
+        if self.options.events_rate and self.rng.random() < self.options.events_rate:
+            self.scheduler.take_events()
         allocated: set[int] = set()
         scheduled: list[tuple[SimRequest, int, tuple[tuple[int, ...], ...]]] = []
         preempted: list[str] = [r for r in self.requeued if self.reqs[r].state != "done"]

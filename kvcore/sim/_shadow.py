@@ -20,7 +20,7 @@ from kvcore.scheduler._checks import enforce
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import EvictionOrderRecord, Violation, m2_eviction_order
 from kvcore.spec.manager_model import ReferenceManager
-from kvcore.spec.types import Key, Status, key_group
+from kvcore.spec.types import DEFAULT_MAX_PENDING_EVENTS, Key, Status, key_group
 
 
 class _ArcLists:
@@ -78,13 +78,20 @@ class _ArcLists:
         self.target = 0.0
 
 
+def _events(events: Sequence[Any]) -> str:
+    return ", ".join(f"{'removed' if e.removed else 'stored'} {len(e.keys)}"
+                     for e in events[:6]) or "no events"
+
+
 class ShadowedManager:
     """The real CPU tier, with every answer compared with the reference's (M2)."""
 
     def __init__(self, capacity: int | Sequence[int], policy: str = "lru", *,
-                 check: bool = True) -> None:
-        self.real = CPUOffloadManager(capacity, policy, check=check)
-        self.reference = ReferenceManager(capacity)
+                 check: bool = True, max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS
+                 ) -> None:
+        self.real = CPUOffloadManager(capacity, policy, check=check,
+                                      max_pending_events=max_pending_events)
+        self.reference = ReferenceManager(capacity, max_pending_events)
         self.policy_name = policy
         # ARC's lists per group (each pool runs its own ARC), made at the group's first store.
         self.is_arc = policy == "arc"
@@ -205,8 +212,16 @@ class ShadowedManager:
                 self._arc(key_group(key)).t1[key] = None
 
     def take_events(self) -> list[Any]:
-        self.reference.take_events()
-        return self.real.take_events()
+        """The events since the last call, which must be the reference's: a store reported
+        as an eviction (or the other way round) misleads every router that reads them."""
+        got, want = self.real.take_events(), self.reference.take_events()
+        dropped = self.real.stats().events_dropped, self.reference.stats().events_dropped
+        if got != want or dropped[0] != dropped[1]:
+            raise InvariantViolation([Violation(
+                "M2", f"the tier reports {_events(got)} ({dropped[0]} dropped), the "
+                f"reference {_events(want)} ({dropped[1]} dropped)",
+                {"policy": self.policy_name})])
+        return got
 
     def reset(self) -> None:
         self.real.reset()

@@ -31,6 +31,11 @@ class SimOptions:
     # Each step, the chance that one running request is preempted (as memory pressure
     # would, on any pool size); it resumes later with its whole table re-sent.
     preempt_rate: float = 0.0
+    # Each step, the chance that the engine drains the tier's events (``take_events``, as
+    # one publishing KV events does); with checks on they are compared with the
+    # reference's. ``max_pending_events`` overrides the config's buffer (small: drops).
+    events_rate: float = 0.0
+    max_pending_events: int | None = None
     num_workers: int | None = None
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None

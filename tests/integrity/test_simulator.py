@@ -196,3 +196,24 @@ def test_preempted_requests_leave_the_step_and_resume_whole(name: str,
     counters = sim.run()
     assert counters.preemptions > 0 and resumed > 0
     assert counters.finished + counters.aborted == opts.requests
+
+
+def test_events_the_engine_drains_are_the_reference_tiers() -> None:
+    """With ``events_rate`` the simulator drains ``take_events`` as an engine publishing KV
+    events does, and the shadow tier compares each drain with the reference manager's.
+    Kills the manager mutants that report an eviction as a store, or count the event
+    buffer wrong after a reset (so it drops a different number of events)."""
+    opts = sim_options(2)  # the pressure profile: 24-event buffer, resets
+    assert opts.events_rate and opts.max_pending_events
+    sim = Simulator(preset("llama3-eagle3"), opts, check=True)
+    drained: list[int] = []
+    real = sim.scheduler.take_events
+
+    def spy() -> Any:
+        events = real()
+        drained.append(len(events))
+        return events
+    sim.scheduler.take_events = spy  # type: ignore[method-assign]
+    sim.run()
+    assert sum(drained) > 0 and sim.scheduler.stats().events_dropped > 0
+    assert sim.manager.checked.get("M2", 0) > 0

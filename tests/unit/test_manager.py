@@ -332,6 +332,24 @@ def test_bad_input_names_the_key_and_changes_nothing(
     assert isinstance(info.value, KeyError | ValueError)
 
 
+@pytest.mark.parametrize(("keys", "pins", "releases"), [
+    ((9,), 0, 1),      # absent: no pins
+    ((2,), 0, 1),      # ready, never pinned
+    ((1, 1), 1, 2),    # pinned once, released twice
+])
+def test_an_unpin_error_says_how_many_pins_the_key_holds(
+        make: Callable[[int], Manager], keys: tuple[int, ...], pins: int,
+        releases: int) -> None:
+    """The error carries the pin count it compared with the releases asked for, so an
+    engine can tell a double release from a release of a key it never loaded. Kills a
+    wrong count for an absent key (``pins = 1 if entry is None``)."""
+    m = _prepared(make(4))
+    with pytest.raises(NotPinnedError) as info:
+        m.complete_load(k(*keys))
+    assert (info.value.pins, info.value.releases) == (pins, releases)
+    assert f"pins={pins}" in str(info.value)
+
+
 def test_non_bytes_key_is_rejected_before_anything_changes(
         make: Callable[[int], Manager]) -> None:
     m = _prepared(make(4))
