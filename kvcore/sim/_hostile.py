@@ -24,11 +24,16 @@ from typing import Any
 from kvcore.scheduler import RequestInfo, ScheduledRequest, StepInput, WorkerReport
 from kvcore.scheduler._checks import enforce
 from kvcore.sim._snapshot import snapshot
-from kvcore.spec.errors import InvariantViolation, KVCoreError
+from kvcore.spec.errors import BlockIdError, InvariantViolation, KVCoreError
 from kvcore.spec.invariants import BadCallRecord
 from kvcore.spec.types import GroupKind
 
 Twin = tuple[str, Callable[[], object]]
+# Twins whose one bad id is known, and which: the pool's size ("top") or the null block.
+BLOCK_ID_TWINS = {"after_alloc: id past the pool": "top", "build_step: new id past the pool":
+                  "top", "build_step: allocated id past the pool": "top",
+                  "after_alloc: null in a FULL group": "null", "build_step: allocated id 0":
+                  "null"}
 
 
 class Hostile:
@@ -71,7 +76,21 @@ class Hostile:
             raised = exc
         changed = snapshot(self.impl) != before
         enforce([BadCallRecord(name, type(raised).__name__ if raised else None,
-                               isinstance(raised, KVCoreError), changed)], self.counts)
+                               isinstance(raised, KVCoreError), changed,
+                               self._says(name, raised))], self.counts)
+
+    def _says(self, name: str, raised: BaseException | None) -> str:
+        """What a refused block id's error gets wrong ("" if right): the id it names and
+        the range it gives, 1..num_gpu_blocks-1 (0..num_gpu_blocks-1 past the pool)."""
+        want = BLOCK_ID_TWINS.get(name)
+        if want is None or not isinstance(raised, BlockIdError):
+            return ""
+        value = self.top if want == "top" else 0
+        bound = f"1..{self.top - 1}" if value == 0 else f"..{self.top - 1}"
+        if raised.value != value or bound not in raised.bound:
+            return (f"says {raised.argument}={raised.value!r} outside {raised.bound!r}; "
+                    f"the bad id is {value}, the range {bound}")
+        return ""
 
     def _tables(self, tables: Any, group: int, value: object) -> tuple[tuple[Any, ...], ...]:
         out = [tuple(t) for t in tables]

@@ -333,6 +333,10 @@ def test_error_fields_name_argument_value_and_bound() -> None:
     e = caught.value
     assert (e.where, e.argument, e.value, e.group) == ("after_alloc", "block_ids[0][2]", 64, 0)
     assert "63" in e.bound and "num_gpu_blocks" in e.fix
+    with pytest.raises(E.BlockIdError) as null:  # the range a FULL group's ids must be in
+        alloc(tables=((41, 0, 43), (44, 45, 46)))(s)
+    assert (null.value.argument, null.value.value, null.value.group) == ("block_ids[0][1]", 0, 0)
+    assert null.value.bound.startswith("1..63:")
     with pytest.raises(E.HashError) as hashed:
         s.add_hashes("a", [b"h" * 16])
     assert (hashed.value.argument, hashed.value.value) == ("len(hashes[0])", 16)
