@@ -29,6 +29,8 @@ import random
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from functools import partial
+from typing import TypeVar
 
 import torch
 
@@ -37,7 +39,7 @@ from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._checks import enforce
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import KVCopyError, KVCoreError, TransferArgumentError
-from kvcore.spec.invariants import BadCallRecord, TransferOutcomeRecord
+from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import OffloadConfig
 from kvcore.transfer import MAX_QUEUED_JOBS_LIMIT, TransferEngine, cpu_capacity
@@ -223,12 +225,27 @@ def _faults(plan: TransferPlan, config: OffloadConfig, caps: Sequence[int],
         twice = with_group(gpu_block_ids=(*ids[:j], ids[rng.randrange(j)], *ids[j + 1:]))
         out.append(("a GPU block written twice", twice,
                     {"code": Status.E_DST_OVERLAP, "group": g, "descriptor_index": first + j,
-                     "bound": j}))
+                     "bound": j, "says": "destination GPU block"}))
     if plan.kind is JobKind.STORE and len(gt.cpu_slots) > 1:
         j = rng.randrange(1, len(gt.cpu_slots))
         out.append(("a CPU chunk written twice", slots_with(j, gt.cpu_slots[rng.randrange(j)]),
                     {"code": Status.E_DST_OVERLAP, "group": g,
-                     "descriptor_index": first + j * bpc - lead, "bound": j}))
+                     "descriptor_index": first + j * bpc - lead, "bound": j,
+                     "says": "destination CPU chunk"}))
+    return out
+
+
+T = TypeVar("T")
+
+
+def _valid(call: str, make: Callable[[], T], checked: dict[str, int]) -> T:
+    """``make()``, a call every rule allows; a refusal of it is an X2 violation."""
+    try:
+        out = make()
+    except Exception as exc:  # any refusal of a valid call, whatever its class
+        enforce([SetupRecord(call, f"{type(exc).__name__}: {exc}")], checked)
+        raise  # enforce raised already; kept for the type checker
+    enforce([SetupRecord(call, None)], checked)
     return out
 
 
@@ -249,7 +266,11 @@ def _mismatch(exc: BaseException | None, expect: Expect) -> str:
         return f"raised {type(exc).__name__}, a bad id is a KVCopyError"
     got = {"code": exc.code, "descriptor_index": exc.descriptor_index, "group": exc.group,
            "value": exc.value, "bound": exc.bound, "side": exc.side}
-    wrong = [f"{k}={got[k]!r} (want {v!r})" for k, v in expect.items() if got[k] != v]
+    wrong = [f"{k}={got[k]!r} (want {v!r})" for k, v in expect.items()
+             if k != "says" and got[k] != v]
+    says = expect.get("says")
+    if isinstance(says, str) and says not in str(exc):
+        wrong.append(f"its message lacks {says!r}")
     return ", ".join(wrong)
 
 
@@ -271,10 +292,12 @@ class _Bench:
     def open(cls, cfg: OffloadConfig, rng: random.Random,
              checked: dict[str, int]) -> _Bench:
         gpu = _tensors(cfg, rng)
-        engine = TransferEngine(cfg, gpu)
+        engine = _valid("TransferEngine: the stage's pools", lambda: TransferEngine(cfg, gpu),
+                        checked)
         for g, ts in enumerate(gpu):
             for k in range(len(ts)):
-                cpu = engine.cpu_tensor(g, k)
+                cpu = _valid(f"cpu_tensor({g}, {k})", partial(engine.cpu_tensor, g, k),
+                             checked)
                 cpu.copy_(_random_bytes(rng, cpu.shape))
         model = _Model([[_rows(t).clone() for t in ts] for ts in gpu],
                        [[engine.cpu_tensor(g, k).clone() for k in range(len(ts))]
@@ -302,6 +325,7 @@ class _Bench:
             raised = exc
         self._record(f"validate: {name}", _name(raised), isinstance(raised, KVCoreError),
                      _mismatch(raised, expect))
+        refusal = str(raised) if isinstance(raised, KVCopyError) else None
         try:
             self.engine.submit(twin)  # type: ignore[arg-type]
         except Exception as exc:  # a wrong type is refused at submit
@@ -310,9 +334,12 @@ class _Bench:
             return
         (result,) = [r for r in self.engine.wait([job]) if r.job_id == job]
         self.engine.poll()
-        # A bad plan that gets past submit must end as a failed job that moved nothing.
-        self._record(f"submit: {name}", None if result.success else "a failed job", True,
-                     f"moved {result.bytes} bytes" if result.bytes else "")
+        # A bad plan that gets past submit must end as a failed job that moved nothing,
+        # and say what validate said.
+        why = f"moved {result.bytes} bytes" if result.bytes else ""
+        if not why and refusal is not None and result.error != refusal:
+            why = f"its failed job says {result.error!r}, validate {refusal!r}"
+        self._record(f"submit: {name}", None if result.success else "a failed job", True, why)
 
     def _record(self, call: str, raised: str | None, kvcore_error: bool,
                 mismatch: str) -> None:
@@ -529,15 +556,45 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
     return [(f"TransferEngine: {name}", call, want) for name, call, want in out]
 
 
+def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torch.Tensor]],
+                  checked: dict[str, int]) -> int:
+    """Constructions every rule allows, which must succeed and be honoured (X2); the
+    bytes of the CPU tier, the size a CPU buffer must have."""
+    good = _valid("TransferEngine: valid tensors", lambda: TransferEngine(cfg, gpu), checked)
+    with good:
+        tier_bytes = good.pinned_bytes()
+        per_group = [good.pinned_bytes(g) for g in range(len(gpu))]
+    made: list[tuple[str, Call]] = [
+        ("an exact cpu_buffer", lambda: TransferEngine(
+            cfg, gpu, cpu_buffer=torch.empty(tier_bytes, dtype=torch.uint8))),
+        ("one cpu_buffer per group", lambda: TransferEngine(
+            cfg, gpu, cpu_buffer=[torch.empty(n, dtype=torch.uint8) for n in per_group])),
+        ("max_queued_jobs=1", lambda: TransferEngine(cfg, gpu, max_queued_jobs=1)),
+        ("max_queued_jobs at the limit", lambda: TransferEngine(
+            cfg, gpu, max_queued_jobs=MAX_QUEUED_JOBS_LIMIT)),
+        ("pin_memory=False", lambda: TransferEngine(cfg, gpu, pin_memory=False)),
+    ]
+    for name, make in made:
+        engine = _valid(f"TransferEngine: {name}", make, checked)
+        engine.close()  # type: ignore[attr-defined]
+    for policy in ("lru", "arc"):
+        _valid(f"CPUOffloadManager.for_config({policy!r})",
+               partial(CPUOffloadManager.for_config, config, policy), checked)
+    flat = _valid("CPUOffloadManager(7)", lambda: CPUOffloadManager(7), checked)
+    sizes = [flat.capacity_of(g) for g in range(len(config.groups))]
+    enforce([SetupRecord("CPUOffloadManager(7): every group's pool holds 7 slots",
+                         None if sizes == [7] * len(sizes) else f"capacities {sizes}")],
+            checked)
+    _valid("OffloadScheduler", lambda: OffloadScheduler(config, flat, check=False), checked)
+    return int(tier_bytes)
+
+
 def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
     """The "set-up" stage: every constructor twin must raise a kvcore error naming the
     argument, and leave no thread behind (A1)."""
     cfg = _layout(config)
     gpu = _tensors(cfg, random.Random("setup"))
-    with TransferEngine(cfg, gpu) as good:  # the exact CPU tier a buffer must match
-        tier_bytes = good.pinned_bytes()
-    exact = torch.empty(tier_bytes, dtype=torch.uint8)
-    TransferEngine(cfg, gpu, cpu_buffer=exact).close()  # and a buffer of that size serves
+    tier_bytes = _valid_setups(config, cfg, gpu, checked)
     twins = _config_twins(config) + _object_twins(config) + _engine_twins(cfg, gpu, tier_bytes)
     for name, call, wanted in twins:
         threads = threading.active_count()

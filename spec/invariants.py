@@ -190,6 +190,15 @@ class FailureRecord:
 
 
 @dataclass(frozen=True)
+class SetupRecord:
+    """A valid set-up call (a constructor, a registration, a read-back of the tier) and the
+    refusal it met, None if it was accepted (X2)."""
+
+    call: str
+    refused: str | None
+
+
+@dataclass(frozen=True)
 class TransferOutcomeRecord:
     """What the copy engine made of one plan the scheduler built with its checks on (X2).
 
@@ -573,6 +582,18 @@ def x1_failure_never_hit(r: FailureRecord) -> list[Violation]:
     return out
 
 
+def x2_valid_setup_accepted(r: SetupRecord) -> list[Violation]:
+    """X2: a valid set-up (config, options, tensors, CPU buffer, tier read-back) is accepted.
+
+    A validator stricter than its rules refuses an engine that did nothing wrong: every
+    engine of that shape fails to start, or never reads its tier back.
+    """
+    if r.refused is not None:
+        return [Violation("X2", f"{r.call}: refused a valid call: {r.refused[:200]}",
+                          {"call": r.call})]
+    return []
+
+
 def x2_valid_plan_carried_out(r: TransferOutcomeRecord) -> list[Violation]:
     """X2: a plan that passed S1, S2 and B1 is carried out whole by the copy engine.
 
@@ -794,6 +815,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     FenceRecord: (f1_fence,),
     FailureRecord: (x1_failure_never_hit,),
     TransferOutcomeRecord: (x2_valid_plan_carried_out,),
+    SetupRecord: (x2_valid_setup_accepted,),
     CopyCallRecord: (b1_copy_library_refuses, x2_copy_library_accepts),
     RefinementRecord: (r1_refines_reference,),
     BadCallRecord: (a1_bad_call_refused,),

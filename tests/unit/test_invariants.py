@@ -46,6 +46,7 @@ from kvcore.spec.invariants import (
     LookupTraceRecord,
     PlanRecord,
     RefinementRecord,
+    SetupRecord,
     Skip,
     StoreOfferRecord,
     TraceEntry,
@@ -75,6 +76,7 @@ from kvcore.spec.invariants import (
     x1_failure_never_hit,
     x2_copy_library_accepts,
     x2_valid_plan_carried_out,
+    x2_valid_setup_accepted,
 )
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import PENDING, GroupSpec, Status, make_key
@@ -143,6 +145,7 @@ F1_OK = FenceRecord(allocated=frozenset({5, 6}), store_sources={1: frozenset({5}
 X1_OK = FailureRecord(failed_store_status={K[0]: Status.MISS},
                       failed_load_jobs=frozenset({4}), reported_load_jobs=frozenset({4}))
 X2_OK = TransferOutcomeRecord(job_id=7, planned_bytes=4096, success=True, moved_bytes=4096)
+X2_SETUP_OK = SetupRecord("TransferEngine: valid tensors", None)
 # Two pools of 4 rows of 64 bytes; the first refuses row 0 (the null block).
 POOLS = (Region(4096, 256, 64, 64, 4, 1), Region(8192, 256, 64, 64, 4, 0))
 B1_COPY_OK = CopyCallRecord(POOLS, ((0, 0, 0, 1, 2, 0, 64),),  # reads the null row
@@ -326,6 +329,13 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                replace(X2_OK, success=False, moved_bytes=0, error="KVCopyError: code 11"),
                "refused a valid plan"),
         Across("one byte short", replace(X2_OK, moved_bytes=4095), "moved 4095 bytes"),
+        Across("copied to the wrong place", replace(X2_OK, wrong_bytes="CPU tier [1][0]"),
+               "CPU tier [1][0] differs"),
+    ]),
+    (x2_valid_setup_accepted, X2_SETUP_OK, [
+        Across("a valid engine refused", replace(
+            X2_SETUP_OK, refused="TransferArgumentError: max_queued_jobs: 64 ..."),
+            "refused a valid call"),
     ]),
     (b1_copy_library_refuses, B1_COPY_OK, [
         Across("a bad table accepted", replace(B1_COPY_OK, error=None), "accepted a table"),
@@ -355,6 +365,9 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
         Across("a bare builtin", replace(A1_OK, raised="TypeError", kvcore_error=False),
                "not a kvcore error"),
         Across("refused after a change", replace(A1_OK, changed=True), "changed the state"),
+        Across("refused, naming another argument",
+               replace(A1_OK, mismatch="names 'num_tokens'; the fault is in 'computed'"),
+               "but it names 'num_tokens'"),
     ]),
     (m1_eviction_safe, M1_OK, [
         Across("a pinned key evicted",
