@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from kvcore.manager import CPUOffloadManager
+from kvcore.manager import CPUOffloadManager, cpu_capacities, group_capacity
 from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._checks import enforce
 from kvcore.spec.descriptors import Side, Status
@@ -42,7 +42,7 @@ from kvcore.spec.errors import KVCopyError, KVCoreError, TransferArgumentError
 from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import OffloadConfig
-from kvcore.transfer import MAX_QUEUED_JOBS_LIMIT, TransferEngine, cpu_capacity
+from kvcore.transfer import MAX_JOB_ID, MAX_QUEUED_JOBS_LIMIT, TransferEngine, cpu_capacity
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
 CPU_SLOTS = 6
@@ -166,6 +166,9 @@ def _faults(plan: TransferPlan, config: OffloadConfig, caps: Sequence[int],
     out: list[tuple[str, object, Expect]] = [
         ("not a plan", (job, plan.kind, plan.groups), {"where": "plan"}),
         ("a bool job id", replace(plan, job_id=True), {"where": "plan.job_id"}),
+        ("a job id past MAX_JOB_ID", replace(plan, job_id=MAX_JOB_ID + 1),
+         {"where": "plan.job_id"}),
+        ("a negative job id", replace(plan, job_id=-1), {"where": "plan.job_id"}),
         ("a str kind", replace(plan, kind="store"), {"where": "plan.kind"}),  # type: ignore[arg-type]
         ("a group missing", replace(plan, groups=plan.groups[:-1]),
          {"code": Status.E_SHAPE, "group": 0, "value": len(plan.groups) - 1,
@@ -490,6 +493,11 @@ def _object_twins(config: OffloadConfig) -> list[tuple[str, Call, tuple[str, ...
          ("config",)),
         ("CPUOffloadManager.for_config: policy='mru'",
          lambda: CPUOffloadManager.for_config(config, "mru"), ("policy",)),
+        ("group_capacity: group -1", lambda: group_capacity(config, -1), ("group",)),
+        ("group_capacity: one group past the config",
+         lambda: group_capacity(config, len(config.groups)), ("group",)),
+        ("group_capacity: a bool group", lambda: group_capacity(config, True), ("group",)),
+        ("cpu_capacities: a dict", lambda: cpu_capacities({}), ("config",)),  # type: ignore[arg-type]
         ("OffloadScheduler: a dict config", lambda: OffloadScheduler({}, manager()),  # type: ignore[arg-type]
          ("config",)),
         ("OffloadScheduler: no manager", lambda: OffloadScheduler(config, None), ("manager",)),

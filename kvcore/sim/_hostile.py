@@ -138,6 +138,8 @@ class Hostile:
                                                               num_tokens)),
             ("lookup: bool tokens", lambda: s.lookup(request_id, computed, True)),
             ("lookup: bytes id", lambda: s.lookup(request_id.encode(), computed, num_tokens)),
+            ("lookup: negative max_tokens", lambda: s.lookup(request_id, computed, num_tokens,
+                                                            max_tokens=-1)),
         ])
         return s.lookup(request_id, computed, num_tokens)
 
