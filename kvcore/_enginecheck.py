@@ -42,7 +42,7 @@ from kvcore.spec.errors import KVCopyError, KVCoreError, TransferArgumentError
 from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import OffloadConfig
-from kvcore.transfer import MAX_JOB_ID, MAX_QUEUED_JOBS_LIMIT, TransferEngine, cpu_capacity
+from kvcore.transfer import MAX_QUEUED_JOBS_LIMIT, TransferEngine, cpu_capacity
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
 CPU_SLOTS = 6
@@ -166,8 +166,9 @@ def _faults(plan: TransferPlan, config: OffloadConfig, caps: Sequence[int],
     out: list[tuple[str, object, Expect]] = [
         ("not a plan", (job, plan.kind, plan.groups), {"where": "plan"}),
         ("a bool job id", replace(plan, job_id=True), {"where": "plan.job_id"}),
-        ("a job id past MAX_JOB_ID", replace(plan, job_id=MAX_JOB_ID + 1),
-         {"where": "plan.job_id"}),
+        # The documented range is 0..2**63-1 (a C int64): the number itself, not
+        # MAX_JOB_ID, so a wrong constant is caught too.
+        ("a job id of 2**63", replace(plan, job_id=1 << 63), {"where": "plan.job_id"}),
         ("a negative job id", replace(plan, job_id=-1), {"where": "plan.job_id"}),
         ("a str kind", replace(plan, kind="store"), {"where": "plan.kind"}),  # type: ignore[arg-type]
         ("a group missing", replace(plan, groups=plan.groups[:-1]),
