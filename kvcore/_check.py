@@ -47,13 +47,16 @@ Apply = Callable[[], contextlib.AbstractContextManager[Any]]
 # minutes, and a stage before it (the refinement above all) may name the failure first.
 STAGES = ("set-up", "directed", "simulations", "refinement", "bad calls", "copy library",
           "transfer engine", "state machine")
-# Seeds the "bad calls" stage runs (each with at most 40 bad twins of real calls).
+# Seeds the "bad calls" stage runs (each with at most 60 bad twins of real calls).
 HOSTILE_SEEDS = 6
 # Failure kinds that do not say which rule broke; the battery goes on past them.
 UNNAMED = ("crash", "liveness")
 # A stage that runs longer than this (a loop that never ends) is stopped as a liveness
 # failure, so an engine's CI gets an answer. Stages take 1-30 s on a busy 2-core machine.
 STAGE_SECONDS = 900.0
+# Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
+COPY_CASES = 6000
+POLICIES = ("lru", "arc")
 
 
 class StageHang(AssertionError):
@@ -77,9 +80,6 @@ def watchdog(stage: str, seconds: float = STAGE_SECONDS) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-# Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
-COPY_CASES = 6000
-POLICIES = ("lru", "arc")
 
 # Option sets the seeded simulations cycle through: calm, stormy, and under pressure.
 PROFILES: tuple[dict[str, Any], ...] = (

@@ -6,25 +6,27 @@ construction, a bad id in a plan, a freed pool) never run there, and neither doe
 byte mapping the scheduler happens not to produce. These two stages call them directly,
 on the user's layout (its groups and chunk sizes; small pools):
 
-- **set-up**: bad twins of every constructor an engine calls (``OffloadConfig`` fields,
-  ``CPUOffloadManager``, ``OffloadScheduler``, ``TransferEngine`` options, GPU tensors
-  and CPU buffers). Each must raise a kvcore error that names the argument, and start
-  no thread (A1).
+- **set-up**: every valid variant of the constructors an engine calls must be accepted
+  and honoured (X2); bad twins of each (``OffloadConfig`` fields, ``CPUOffloadManager``,
+  ``group_capacity``, ``OffloadScheduler``, ``TransferEngine`` options, GPU tensors and
+  CPU buffers) must raise a kvcore error that names the argument, and start no thread
+  (A1).
 - **transfer engine**: seeded random valid plans of both kinds, every pool compared after
   each job with a byte model built here from the sequential mapping of ``spec.plans``
-  (X2); between them, bad twins with one fault each (an id past the pool, a null, a
+  (X2); for half of them, every twin with one fault (an id past the pool, a null, a
   negative, a slot past the tier, a slot count one short, a destination written twice,
   a group missing, wrong types), through ``validate`` and ``submit``: the refusal must
   carry the code, descriptor index, group, value and bound the fault implies, move no
-  byte and, through ``submit``, end as a failed job (A1); a pool freed in place must be
-  refused (``validate``, E_STORAGE) and a bad ``rebind_gpu_tensors`` must leave the old
-  registration in use.
+  byte and, through ``submit``, end as a failed job saying what ``validate`` said (A1);
+  a pool freed in place must be refused (``validate``, E_STORAGE), a bad
+  ``rebind_gpu_tensors`` must leave the old registration in use, a good one must work.
 
 Bounded: ``cases`` plans on pools of at most a few KiB per tensor.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -42,14 +44,15 @@ from kvcore.spec.errors import KVCopyError, KVCoreError, TransferArgumentError
 from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import OffloadConfig
-from kvcore.transfer import MAX_QUEUED_JOBS_LIMIT, TransferEngine, cpu_capacity
+from kvcore.transfer import MAX_QUEUED_JOBS_LIMIT, TransferEngine, TransferResult, cpu_capacity
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
 CPU_SLOTS = 6
 MAX_CHUNKS = 3  # chunks per group and job
 ENGINE_CASES = 400
 # What each fault must name: KVCopyError fields (code, descriptor_index, group, value,
-# bound, side) or, for a wrong type, the TransferArgumentError's ``where``.
+# bound, side) and a phrase of its message ("says"), or, for a wrong type, the
+# TransferArgumentError's ``where``.
 Expect = dict[str, object]
 
 
@@ -57,8 +60,7 @@ Expect = dict[str, object]
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A (blocks, row bytes) uint8 view of a pool whose rows are contiguous."""
-    return t.view(torch.uint8).reshape(t.shape[0], -1) if t.dim() > 1 else \
-        t.view(torch.uint8).reshape(t.shape[0], 1)
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
 def _layout(config: OffloadConfig, widen: int = 1) -> OffloadConfig:
@@ -91,11 +93,8 @@ def _tensors(config: OffloadConfig, rng: random.Random) -> list[list[torch.Tenso
 
 
 def _random_bytes(rng: random.Random, shape: Sequence[int]) -> torch.Tensor:
-    count = 1
-    for s in shape:
-        count *= s
-    return torch.frombuffer(bytearray(rng.randbytes(count)), dtype=torch.uint8).reshape(
-        tuple(shape))
+    data = bytearray(rng.randbytes(math.prod(shape)))
+    return torch.frombuffer(data, dtype=torch.uint8).reshape(tuple(shape))
 
 
 @dataclass
@@ -262,10 +261,9 @@ def _mismatch(exc: BaseException | None, expect: Expect) -> str:
     if exc is None:
         return ""
     if "where" in expect:
-        where = getattr(exc, "where", None)
-        if not isinstance(exc, TransferArgumentError) or where != expect["where"]:
-            return f"names {where!r}, the fault is in {expect['where']!r}"
-        return ""
+        if not isinstance(exc, TransferArgumentError):
+            return f"raised {type(exc).__name__}, a wrong type is a TransferArgumentError"
+        return _named(exc, str(expect["where"]))
     if not isinstance(exc, KVCopyError):
         return f"raised {type(exc).__name__}, a bad id is a KVCopyError"
     got = {"code": exc.code, "descriptor_index": exc.descriptor_index, "group": exc.group,
@@ -314,8 +312,7 @@ class _Bench:
         """A valid plan: carried out whole, and every pool equals the model after (X2)."""
         planned = self.model.apply(plan, self.bpc)
         self.engine.submit(plan)
-        (result,) = [r for r in self.engine.wait([plan.job_id]) if r.job_id == plan.job_id]
-        self.engine.poll()
+        result = self._finished(plan.job_id)
         wrong = self.model.differs(self.engine, self.gpu)
         enforce([TransferOutcomeRecord(plan.job_id, planned, result.success, result.bytes,
                                        result.error, wrong)], self.checked)
@@ -327,26 +324,32 @@ class _Bench:
             self.engine.validate(twin)  # type: ignore[arg-type]
         except Exception as exc:  # judged below: which class, which fields
             raised = exc
-        self._record(f"validate: {name}", _name(raised), isinstance(raised, KVCoreError),
+        self.record(f"validate: {name}", _name(raised), isinstance(raised, KVCoreError),
                      _mismatch(raised, expect))
         refusal = str(raised) if isinstance(raised, KVCopyError) else None
         try:
             self.engine.submit(twin)  # type: ignore[arg-type]
         except Exception as exc:  # a wrong type is refused at submit
-            self._record(f"submit: {name}", _name(exc), isinstance(exc, KVCoreError),
+            self.record(f"submit: {name}", _name(exc), isinstance(exc, KVCoreError),
                          _mismatch(exc, expect))
             return
-        (result,) = [r for r in self.engine.wait([job]) if r.job_id == job]
-        self.engine.poll()
+        result = self._finished(job)
         # A bad plan that gets past submit must end as a failed job that moved nothing,
         # and say what validate said.
         why = f"moved {result.bytes} bytes" if result.bytes else ""
         if not why and refusal is not None and result.error != refusal:
             why = f"its failed job says {result.error!r}, validate {refusal!r}"
-        self._record(f"submit: {name}", None if result.success else "a failed job", True, why)
+        self.record(f"submit: {name}", None if result.success else "a failed job", True, why)
 
-    def _record(self, call: str, raised: str | None, kvcore_error: bool,
-                mismatch: str) -> None:
+    def _finished(self, job: int) -> TransferResult:
+        """Job ``job``'s result, once it finished (taken off the engine's poll queue)."""
+        (result,) = [r for r in self.engine.wait([job]) if r.job_id == job]
+        self.engine.poll()
+        return result
+
+    def record(self, call: str, raised: str | None, kvcore_error: bool,
+               mismatch: str) -> None:
+        """A1 for one bad call, with "changed" read from the pools against the model."""
         changed = self.model.differs(self.engine, self.gpu) is not None
         enforce([BadCallRecord(call, raised, kvcore_error, changed, mismatch)], self.checked)
 
@@ -397,12 +400,12 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
         bench.engine.validate(replace(plan, groups=only_g))
     except Exception as exc:  # judged by the record
         raised = exc
-    code = getattr(raised, "code", None)
-    wrong = "" if raised is None or code == Status.E_STORAGE else \
-        f"says code={code!r}; a freed pool is E_STORAGE"
+    # Not ``bench.record``: comparing the pools would read the freed one.
+    wrong = _mismatch(raised, {"code": Status.E_STORAGE, "group": g})
     enforce([BadCallRecord("validate: a pool freed in place", _name(raised),
                            isinstance(raised, KVCoreError), False, wrong)], bench.checked)
-    bench.engine.rebind_gpu_tensors(fresh)
+    _valid("rebind_gpu_tensors: fresh pools", partial(bench.engine.rebind_gpu_tensors, fresh),
+           bench.checked)
     bench.gpu = fresh
 
 
@@ -429,7 +432,7 @@ def _bad_rebinds(bench: _Bench, g: int) -> None:
             bench.engine.rebind_gpu_tensors(tensors)  # type: ignore[arg-type]
         except Exception as exc:  # judged by the record
             raised = exc
-        bench._record(f"rebind_gpu_tensors: {name}", _name(raised),
+        bench.record(f"rebind_gpu_tensors: {name}", _name(raised),
                       isinstance(raised, KVCoreError), _named(raised, where))
 
 
@@ -573,7 +576,7 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     with good:
         tier_bytes = good.pinned_bytes()
         per_group = [good.pinned_bytes(g) for g in range(len(gpu))]
-    made: list[tuple[str, Call]] = [
+    made: list[tuple[str, Callable[[], TransferEngine]]] = [
         ("an exact cpu_buffer", lambda: TransferEngine(
             cfg, gpu, cpu_buffer=torch.empty(tier_bytes, dtype=torch.uint8))),
         ("one cpu_buffer per group", lambda: TransferEngine(
@@ -585,7 +588,7 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     ]
     for name, make in made:
         engine = _valid(f"TransferEngine: {name}", make, checked)
-        engine.close()  # type: ignore[attr-defined]
+        engine.close()
     for policy in ("lru", "arc"):
         _valid(f"CPUOffloadManager.for_config({policy!r})",
                partial(CPUOffloadManager.for_config, config, policy), checked)

@@ -29,11 +29,6 @@ from kvcore.spec.invariants import BadCallRecord
 from kvcore.spec.types import GroupKind
 
 Twin = tuple[str, Callable[[], object]]
-# Twins whose one bad id is known, and which: the pool's size ("top") or the null block.
-BLOCK_ID_TWINS = {"after_alloc: id past the pool": "top", "build_step: new id past the pool":
-                  "top", "build_step: allocated id past the pool": "top",
-                  "after_alloc: null in a FULL group": "null", "build_step: allocated id 0":
-                  "null"}
 
 
 class Hostile:
@@ -47,6 +42,8 @@ class Hostile:
         self.rate = rate
         self.left = limit
         self.used: dict[str, int] = {}
+        # Twins whose one bad block id is known (``_id_twin``): name -> that id.
+        self.bad_ids: dict[str, int] = {}
         cfg = impl.config
         self.top = cfg.num_gpu_blocks
         self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
@@ -79,13 +76,20 @@ class Hostile:
                                isinstance(raised, KVCoreError), changed,
                                self._says(name, raised))], self.counts)
 
+    def _id_twin(self, name: str, bad_id: int, call: Callable[[], object]) -> Twin:
+        """A twin whose one fault is the block id ``bad_id`` (the null block or the pool's
+        size): its error must name that id and the range it breaks."""
+        self.bad_ids[name] = bad_id
+        return name, call
+
     def _says(self, name: str, raised: BaseException | None) -> str:
         """What a refused block id's error gets wrong ("" if right): the id it names and
         the range it gives, 1..num_gpu_blocks-1 (0..num_gpu_blocks-1 past the pool)."""
-        want = BLOCK_ID_TWINS.get(name)
-        if want is None or not isinstance(raised, BlockIdError):
+        value = self.bad_ids.get(name)
+        if value is None or raised is None:
             return ""
-        value = self.top if want == "top" else 0
+        if not isinstance(raised, BlockIdError):
+            return f"raised {type(raised).__name__}; a bad block id is a BlockIdError"
         bound = f"1..{self.top - 1}" if value == 0 else f"..{self.top - 1}"
         if raised.value != value or bound not in raised.bound:
             return (f"says {raised.argument}={raised.value!r} outside {raised.bound!r}; "
@@ -155,13 +159,14 @@ class Hostile:
                 request_id, tables, valid, computed, load_tokens + 10**6)),
             ("after_alloc: one table too many", lambda: s.after_alloc(
                 request_id, (*tables, tables[0]), (*valid, 0), computed, load_tokens)),
-            ("after_alloc: id past the pool", lambda: s.after_alloc(
+            self._id_twin("after_alloc: id past the pool", self.top, lambda: s.after_alloc(
                 request_id, self._tables(tables, 0, self.top), valid, computed, load_tokens)),
             ("after_alloc: bool id", lambda: s.after_alloc(
                 request_id, self._tables(tables, 0, True), valid, computed, load_tokens)),
         ]
         if self.full:
-            twins.append(("after_alloc: null in a FULL group", lambda: s.after_alloc(
+            twins.append(self._id_twin("after_alloc: null in a FULL group", 0,
+                                       lambda: s.after_alloc(
                 request_id, self._tables(tables, self.full[0], 0), valid, computed,
                 load_tokens)))
         self._bounce(twins)
@@ -174,10 +179,11 @@ class Hostile:
     def _step_twins(self, step: StepInput) -> list[Twin]:
         s, reqs = self.impl, step.requests
         twins: list[Twin] = [
-            ("build_step: allocated id 0", lambda: s.build_step(
+            self._id_twin("build_step: allocated id 0", 0, lambda: s.build_step(
                 replace(step, allocated_ids=step.allocated_ids | {0}))),
-            ("build_step: allocated id past the pool", lambda: s.build_step(
-                replace(step, allocated_ids=step.allocated_ids | {self.top}))),
+            self._id_twin("build_step: allocated id past the pool", self.top,
+                          lambda: s.build_step(replace(
+                              step, allocated_ids=step.allocated_ids | {self.top}))),
             ("build_step: unknown preempted", lambda: s.build_step(
                 replace(step, preempted=(*step.preempted, "no-such-request")))),
             ("build_step: unknown request", lambda: s.build_step(replace(step, requests=(
@@ -189,7 +195,8 @@ class Hostile:
             ids = first.new_block_ids
             if ids and any(ids):
                 g = next(i for i, t in enumerate(ids) if t)
-                twins.append(("build_step: new id past the pool", lambda: s.build_step(
+                twins.append(self._id_twin("build_step: new id past the pool", self.top,
+                                           lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=self._tables(
                         ids, g, self.top)), *reqs[1:])))))
                 twins.append(("build_step: tables for one group too many", lambda: s.build_step(
