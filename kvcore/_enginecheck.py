@@ -9,8 +9,9 @@ on the user's layout (its groups and chunk sizes; small pools):
 - **set-up**: every valid variant of the constructors an engine calls must be accepted
   and honoured (X2); bad twins of each (``OffloadConfig`` fields, ``CPUOffloadManager``,
   ``group_capacity``, ``OffloadScheduler``, ``TransferEngine`` options, GPU tensors and
-  CPU buffers) must raise a kvcore error that names the argument, and start no thread
-  (A1).
+  CPU buffers) must raise a kvcore error that names the argument, and start no thread;
+  the manager's calls with a key its state cannot take must raise the error that state
+  implies and change nothing (A1).
 - **transfer engine**: seeded random valid plans of both kinds, every pool compared after
   each job with a byte model built here from the sequential mapping of ``spec.plans``
   (X2); for half of them, every twin with one fault (an id past the pool, a null, a
@@ -32,7 +33,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -40,11 +41,18 @@ from kvcore.manager import CPUOffloadManager, cpu_capacities, group_capacity
 from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._checks import enforce
 from kvcore.spec.descriptors import Side, Status
-from kvcore.spec.errors import KVCopyError, KVCoreError, TransferArgumentError
+from kvcore.spec.errors import (
+    KeyGroupError,
+    KeyNotReadyError,
+    KVCopyError,
+    KVCoreError,
+    NotPinnedError,
+    TransferArgumentError,
+)
 from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
-from kvcore.spec.types import OffloadConfig
-from kvcore.transfer import MAX_QUEUED_JOBS_LIMIT, TransferEngine, TransferResult, cpu_capacity
+from kvcore.spec.types import Key, OffloadConfig, make_key
+from kvcore.transfer import TransferEngine, TransferResult, cpu_capacity
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
 CPU_SLOTS = 6
@@ -451,6 +459,16 @@ def _named(exc: BaseException | None, *wanted: str) -> str:
 # -- the set-up stage ----------------------------------------------------------------------
 
 Call = Callable[[], object]
+
+
+class SetupTwin(NamedTuple):
+    """A construction with one fault: the argument its error must name and, where the
+    fault has a specific message, a phrase that message must hold."""
+
+    name: str
+    call: Call
+    wanted: tuple[str, ...]
+    says: str = ""
 # One bad value per kind of OffloadConfig / GroupSpec field, by its declared type.
 BAD_VALUES: dict[str, tuple[object, ...]] = {
     "int": (-1, True), "int | None": (-1, 1.5), "bool": (1, "yes"), "str": (7,),
@@ -535,7 +553,8 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
         ("cuda_method='bogus'", engine(cuda_method="bogus"), ("cuda_method",)),
         ("pin_memory='yes'", engine(pin_memory="yes"), ("pin_memory",)),
         ("max_queued_jobs=0", engine(max_queued_jobs=0), ("max_queued_jobs",)),
-        ("max_queued_jobs past the limit", engine(max_queued_jobs=MAX_QUEUED_JOBS_LIMIT + 1),
+        # The documented bound (docs/native.md: 1..2^20), not the constant under test.
+        ("max_queued_jobs past the limit", engine(max_queued_jobs=(1 << 20) + 1),
          ("max_queued_jobs",)),
         ("max_queued_jobs=True", engine(max_queued_jobs=True), ("max_queued_jobs",)),
         ("a group without tensors", engine([[] if h == g else ts for h, ts in enumerate(gpu)]),
@@ -582,16 +601,24 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
         ("one cpu_buffer per group", lambda: TransferEngine(
             cfg, gpu, cpu_buffer=[torch.empty(n, dtype=torch.uint8) for n in per_group])),
         ("max_queued_jobs=1", lambda: TransferEngine(cfg, gpu, max_queued_jobs=1)),
-        ("max_queued_jobs at the limit", lambda: TransferEngine(
-            cfg, gpu, max_queued_jobs=MAX_QUEUED_JOBS_LIMIT)),
+        ("max_queued_jobs at the documented limit 2^20", lambda: TransferEngine(
+            cfg, gpu, max_queued_jobs=1 << 20)),
         ("pin_memory=False", lambda: TransferEngine(cfg, gpu, pin_memory=False)),
     ]
     for name, make in made:
         engine = _valid(f"TransferEngine: {name}", make, checked)
         engine.close()
     for policy in ("lru", "arc"):
-        _valid(f"CPUOffloadManager.for_config({policy!r})",
-               partial(CPUOffloadManager.for_config, config, policy), checked)
+        mgr: CPUOffloadManager = _valid(f"CPUOffloadManager.for_config({policy!r})",
+                      partial(CPUOffloadManager.for_config, config, policy), checked)
+        pools = [mgr.policy_of(g) for g in range(len(config.groups))]
+        names = [None if p is None else p.name for p in pools]
+        debug = _valid(f"CPUOffloadManager.for_config({policy!r}).policy",
+                       partial(getattr, mgr, "policy"), checked)
+        enforce([SetupRecord(f"CPUOffloadManager.for_config({policy!r}): every group's pool "
+                             "runs it, and .policy is group 0's",
+                             None if names == [policy] * len(names) and debug is pools[0]
+                             else f"policies {names}")], checked)
     flat = _valid("CPUOffloadManager(7)", lambda: CPUOffloadManager(7), checked)
     sizes = [flat.capacity_of(g) for g in range(len(config.groups))]
     enforce([SetupRecord("CPUOffloadManager(7): every group's pool holds 7 slots",
@@ -601,14 +628,92 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     return int(tier_bytes)
 
 
+def _phrase_twins(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torch.Tensor]]
+                  ) -> list[SetupTwin]:
+    """Twins whose argument alone does not tell the fault apart: the message must say it.
+
+    A GPU tensor on torch's ``meta`` device gives two devices on a CPU-only machine, the
+    smallest case of "several devices"; a check that let it through would still refuse
+    the meta tensor later, naming the same argument for another reason.
+    """
+    g = len(gpu) - 1
+    meta = [list(ts) for ts in gpu]
+    meta[g][0] = torch.empty(gpu[g][0].shape, dtype=gpu[g][0].dtype, device="meta")
+    last = len(config.groups) - 1
+    return [
+        SetupTwin("TransferEngine: tensors on cpu and meta",
+                  lambda: TransferEngine(cfg, meta), ("gpu_tensors",), "several devices"),
+        SetupTwin("group_capacity: one group past the config (its range)",
+                  lambda: group_capacity(config, last + 1), ("group",), f"0..{last}"),
+    ]
+
+
+def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
+    """The manager's calls with a key its state cannot take (A1).
+
+    The scheduler never sends these (it releases only what it pinned), so the simulator
+    never does; an engine driving the manager itself can. Each must raise the error the
+    key's state implies, carrying that state, the pin count and the releases, and change
+    nothing: a multi-key call is validated before any key is released.
+    """
+    mgr = CPUOffloadManager.for_config(config)
+
+    def key(i: int, group: int = 0) -> Key:
+        return make_key(bytes([i]) * 8, group)
+    ready, pinned, writing, absent = key(1), key(2), key(3), key(4)
+    mgr.prepare_store([ready, pinned])
+    mgr.complete_store([ready, pinned])
+    mgr.prepare_load([pinned])
+    mgr.prepare_store([writing])
+    keys = (ready, pinned, writing, absent)
+    cases: list[tuple[str, Call, type[KVCoreError], Expect]] = [
+        ("complete_load: an absent key", lambda: mgr.complete_load([absent]), NotPinnedError,
+         {"state": "absent", "pins": 0, "releases": 1}),
+        ("complete_load: a ready key", lambda: mgr.complete_load([ready]), NotPinnedError,
+         {"state": "ready", "pins": 0, "releases": 1}),
+        ("complete_load: a writing key", lambda: mgr.complete_load([writing]), NotPinnedError,
+         {"state": "writing", "pins": 0, "releases": 1}),
+        ("complete_load: a key pinned once, released twice",
+         lambda: mgr.complete_load([pinned, pinned]), NotPinnedError,
+         {"state": "pinned", "pins": 1, "releases": 2}),
+        ("complete_load: a pinned key beside an absent one",
+         lambda: mgr.complete_load([pinned, absent]), NotPinnedError,
+         {"state": "absent", "pins": 0, "releases": 1}),
+        ("prepare_load: an absent key", lambda: mgr.prepare_load([absent]), KeyNotReadyError,
+         {"state": "absent"}),
+        ("prepare_load: a ready key beside a writing one",
+         lambda: mgr.prepare_load([ready, writing]), KeyNotReadyError, {"state": "writing"}),
+        ("prepare_store: a key of a group past the config",
+         lambda: mgr.prepare_store([key(5, len(config.groups))]), KeyGroupError,
+         {"group": len(config.groups)}),
+    ]
+    for name, call, cls, expect in cases:
+        before = (mgr.stats(), [mgr.state_of(k) for k in keys])
+        raised: BaseException | None = None
+        try:
+            call()
+        except Exception as exc:  # judged by the record
+            raised = exc
+        wrong = "" if raised is None or isinstance(raised, cls) else f"not a {cls.__name__}"
+        wrong = wrong or "; ".join(f"{a}={getattr(raised, a, None)!r}, the fault implies {v!r}"
+                                   for a, v in expect.items()
+                                   if raised is not None and getattr(raised, a, None) != v)
+        after = (mgr.stats(), [mgr.state_of(k) for k in keys])
+        enforce([BadCallRecord(f"CPUOffloadManager.{name}", _name(raised),
+                               isinstance(raised, KVCoreError), after != before, wrong)],
+                checked)
+
+
 def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
     """The "set-up" stage: every constructor twin must raise a kvcore error naming the
     argument, and leave no thread behind (A1)."""
     cfg = _layout(config)
     gpu = _tensors(cfg, random.Random("setup"))
     tier_bytes = _valid_setups(config, cfg, gpu, checked)
-    twins = _config_twins(config) + _object_twins(config) + _engine_twins(cfg, gpu, tier_bytes)
-    for name, call, wanted in twins:
+    twins = [SetupTwin(*t) for t in
+             _config_twins(config) + _object_twins(config) + _engine_twins(cfg, gpu, tier_bytes)]
+    twins += _phrase_twins(config, cfg, gpu)
+    for name, call, wanted, says in twins:
         threads = threading.active_count()
         raised: BaseException | None = None
         made: object = None
@@ -618,6 +723,9 @@ def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
             raised = exc
         if isinstance(made, TransferEngine):
             made.close()
+        wrong = _named(raised, *wanted)
+        if not wrong and raised is not None and says and says not in str(raised):
+            wrong = f"does not say {says!r}"
         enforce([BadCallRecord(name, _name(raised), isinstance(raised, KVCoreError),
-                               threading.active_count() > threads, _named(raised, *wanted))],
-                checked)
+                               threading.active_count() > threads, wrong)], checked)
+    _manager_calls(config, checked)

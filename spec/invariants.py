@@ -736,9 +736,10 @@ class EvictionOrderRecord:
     ``queues`` holds the evictable keys (READY, unpinned, not among the call's keys) of
     each recency list as tracked outside the tier, least recent first: one list for LRU,
     T1 then T2 for ARC, whose ``t1_size`` (T1 with its WRITING keys) and ``target`` (p)
-    decide which list gives each victim. ``victims`` is what the tier chose (None: it
-    refused the store). ``slots``/``expected_slots`` are the slots the tier and the
-    reference handed out for the same choice, when compared.
+    decide which list gives each victim (``tier_target``: the tier's own p, which must
+    agree). ``victims`` is what the tier chose (None: it refused the store).
+    ``slots``/``expected_slots`` are the slots the tier and the reference handed out for
+    the same choice, when compared.
     """
 
     policy: str
@@ -749,6 +750,7 @@ class EvictionOrderRecord:
     target: float = 0.0
     slots: tuple[int, ...] | None = None
     expected_slots: tuple[int, ...] | None = None
+    tier_target: float | None = None
 
 
 def _policy_victims(r: EvictionOrderRecord) -> tuple[Key, ...] | None:
@@ -793,6 +795,10 @@ def m2_eviction_order(r: EvictionOrderRecord) -> list[Violation]:
         out.append(Violation("M2", f"{r.policy} evicted {got}, its rule names {named} "
                              f"({r.needed} needed)",
                              {"policy": r.policy, "victims": got, "expected": named}))
+    if r.tier_target is not None and r.tier_target != r.target:
+        # p decides every later choice: a drift shows before it first changes a victim.
+        out.append(Violation("M2", f"arc's target p is {r.tier_target} in the tier, "
+                             f"{r.target} by its rule", {"policy": r.policy}))
     if r.slots is not None and r.expected_slots is not None and r.slots != r.expected_slots:
         out.append(Violation("M2", f"slots {list(r.slots[:8])} differ from the reference's "
                              f"{list(r.expected_slots[:8])}", {"policy": r.policy}))

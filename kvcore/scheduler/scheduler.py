@@ -236,7 +236,7 @@ class OffloadScheduler:
         return conv.hit, conv, reader.known
 
     def _pessimistic_floor(self, boundary: int, computed: int) -> list[int]:
-        """Per group, the first chunk a verification at ``boundary`` reads (-1: FULL).
+        """Per group, the first chunk a verification at ``boundary`` reads (0 for FULL).
 
         A window or Mamba group's range starts at or after this for every boundary at or
         above ``boundary`` (the start only moves up with the boundary), so reading a
@@ -246,7 +246,7 @@ class OffloadScheduler:
         floor = []
         for g in self.config.groups:
             rng = None if g.kind is GroupKind.FULL else needed_chunks(g, boundary, computed)
-            floor.append(-1 if rng is None else rng[0])
+            floor.append(0 if rng is None else rng[0])
         return floor
 
     def _being_loaded(self, req: RequestState, computed: int, hit: int) -> bool:

@@ -161,7 +161,7 @@ class ShadowedManager:
             judged = [EvictionOrderRecord(
                 r.policy, r.needed, r.queues,
                 None if out is None else tuple(k for k in out.evicted if key_group(k) == g),
-                r.t1_size, r.target, slots, exp) for g, r in records.items()]
+                r.t1_size, r.target, slots, exp, r.tier_target) for g, r in records.items()]
             if out is None:
                 # A refusal is atomic across groups: it is right when some group's rule
                 # refuses too; the groups that had room are then not judged.
@@ -200,8 +200,9 @@ class ShadowedManager:
                       if s == "writing" and key_group(k) == group)
         queues = (tuple(k for k in arc.t1 if evictable(k)),
                   tuple(k for k in arc.t2 if evictable(k)))
+        tier = self.real.policy_of(group)
         return EvictionOrderRecord("arc", need, queues, None, len(arc.t1) + writing,
-                                   arc.target)
+                                   arc.target, tier_target=getattr(tier, "target_t1", None))
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
         writing = [k for k in dict.fromkeys(keys) if self.reference.state.get(k) == "writing"]

@@ -102,3 +102,35 @@ def test_a_truthy_check_flag_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(scheduler, "checks_enabled", lambda flag: bool(flag))
     assert "check='no'" in caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_manager_error_with_the_wrong_pin_count_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``NotPinnedError`` reports one pin more than the key holds."""
+    from kvcore.manager import _cpu
+
+    real = _cpu.NotPinnedError
+
+    def more(key: bytes, state: str, pins: int, releases: int) -> Exception:
+        return real(key, state, pins + 1, releases)
+    monkeypatch.setattr(_cpu, "NotPinnedError", more)
+    assert "pins=1, the fault implies 0" in caught(
+        "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_release_before_validation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``complete_load`` releases the keys it knows before refusing the rest (a
+    failed call changes the manager)."""
+    from kvcore.manager import CPUOffloadManager
+
+    real = CPUOffloadManager.complete_load
+
+    def eager(self: CPUOffloadManager, keys: Any) -> None:
+        for key in keys:
+            try:
+                real(self, [key])
+            except Exception:
+                real(self, keys)
+    monkeypatch.setattr(CPUOffloadManager, "complete_load", eager)
+    assert "but changed the state" in caught(
+        "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))

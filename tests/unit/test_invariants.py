@@ -163,7 +163,7 @@ M1_OK = EvictionRecord(call_keys=(K[0], K[1]), evicted=((K[2], "ready"), (K[3], 
 M2_LRU_OK = EvictionOrderRecord("lru", 2, ((K[0], K[1], K[2]),), (K[0], K[1]),
                                 slots=(4, 5), expected_slots=(4, 5))
 M2_ARC_OK = EvictionOrderRecord("arc", 2, ((K[0], K[1]), (K[2],)), (K[2], K[0]),
-                                t1_size=2, target=3.5)
+                                t1_size=2, target=3.5, tier_target=3.5)
 K1_OK = KeyRecord(((0, b"a", make_key(b"a", 0)), (1, b"a", make_key(b"a", 1)),
                    (0, b"a", make_key(b"a", 0))))
 
@@ -406,6 +406,8 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
         Across("int(p) = 2 <= |T1|: T1 must give the first victim",
                replace(M2_ARC_OK, target=2.5),
                "arc evicted"),
+        Across("the tier's p drifted from the rule's, the same victims still",
+               replace(M2_ARC_OK, tier_target=4.5), "target p is 4.5 in the tier"),
     ]),
     (k1_keys_distinct, K1_OK, [
         Across("one key for two groups",
