@@ -311,12 +311,12 @@ class VllmEngine:
         self.work["keys"] += sum(len(jobs[j].keys) for j in meta.store_jobs if j in jobs)
         self.work["flushes"] += len(meta.jobs_to_flush or ())
 
-    def lookup_once(self, donor_seed: int, tokens: int, k: int) -> tuple[float, float]:
-        """(cold, warm) seconds: a fresh request's first and second lookup."""
+    def lookup_once(self, donor_seed: int, tokens: int, k: int) -> tuple[float, float, object]:
+        """(cold, warm) seconds and the hit: a fresh request's first and second lookup."""
         req = self.request(f"probe{k}", donor_seed, tokens)
         start = time.thread_time()
         self.conn.on_new_request(req)
-        self.conn.get_num_new_matched_tokens(req, 0)
+        hit, _ = self.conn.get_num_new_matched_tokens(req, 0)
         cold = time.thread_time() - start
         start = time.thread_time()
         self.conn.get_num_new_matched_tokens(req, 0)
@@ -325,5 +325,5 @@ class VllmEngine:
         self.conn.request_finished_all_groups(req, tuple([] for _ in self.pool.cfg.groups))
         self.build(empty_output(finished_req_ids={req.request_id}))
         self.complete()
-        return cold, warm
+        return cold, warm, "PENDING" if hit is None else hit
 

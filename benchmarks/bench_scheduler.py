@@ -273,26 +273,32 @@ class Engine:
         donor = list(self.live.values())[-1]
         return donor.seed, donor.tokens - 1
 
-    def lookup_once(self, seed: int, tokens: int, k: int) -> tuple[float, float]:
-        """(cold, warm) seconds: a fresh request's first lookup, keys derived inside the
-        timed span (``add_request`` is in it), then its second lookup."""
+    def complete(self) -> None:
+        """The workers report every job handed out so far (as between two steps)."""
+        self.sched.worker_output(self.pending)
+        self.pending = []
+
+    def lookup_once(self, seed: int, tokens: int, k: int) -> tuple[float, float, object]:
+        """(cold, warm) seconds and the hit: a fresh request's first lookup, keys derived
+        inside the timed span (``add_request`` is in it), then its second lookup."""
         hashes = tuple(hash_of(seed, i) for i in range(tokens // self.hbt))
         rid = f"probe{k}"
         start = time.thread_time()
         self.sched.add_request(RequestInfo(rid, tokens, hashes))
-        self.sched.lookup(rid, 0, tokens)
+        hit = self.sched.lookup(rid, 0, tokens)
         cold = time.thread_time() - start
         start = time.thread_time()
         self.sched.lookup(rid, 0, tokens)
         warm = time.thread_time() - start
         self.sched.request_finished(rid)
-        return cold, warm
+        return cold, warm, hit
 
     def lookups(self, repeats: int) -> tuple[float, float]:
         """Median (cold, warm) lookup in ms of a fresh request with a tracked prompt."""
+        self.complete()
         runs = [self.lookup_once(*self.probe(), k) for k in range(repeats)]
-        return (statistics.median(c for c, _ in runs) * 1e3,
-                statistics.median(w for _, w in runs) * 1e3)
+        return (statistics.median(r[0] for r in runs) * 1e3,
+                statistics.median(r[1] for r in runs) * 1e3)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -332,13 +338,18 @@ def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str,
             times[i].append(side.step())
             stores[i].append(side.last_stores)
         admits.append(eng.admit_s)
+    # The probe asks for the latest admitted prompt once its stores have landed (a
+    # lookup while they are in flight answers PENDING, which is not the cost measured).
+    for side in sides:
+        side.complete()
     probes = [[side.lookup_once(*eng.probe(), k) for side in sides]
               for k in range(args.lookups)]
+    hit = probes[0][0][2]
     steps = args.steps
     out: dict[str, Any] = summarize(times[0], stores[0], args.requests)
     cold = statistics.median(p[0][0] for p in probes) * 1e3
     warm = statistics.median(p[0][1] for p in probes) * 1e3
-    out |= {"admit": statistics.mean(admits) * 1e3, "cold": cold, "warm": warm,
+    out |= {"admit": statistics.mean(admits) * 1e3, "cold": cold, "warm": warm, "hit": hit,
             "bph": eng.bytes_per_hash,
             "stores": eng.work["stores"] / steps, "keys": eng.work["keys"] / steps,
             "flushes": eng.work["flushes"] / steps,
@@ -347,13 +358,14 @@ def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str,
           f"{out['p99']:6.2f} | {out['us_req']:6.1f} | {out['admit']:6.2f} | "
           f"{out['storing_ratio']:5.2f} | "
           f"{out['stores']:6.1f} | {out['keys']:7.1f} | {out['flushes']:5.1f} | "
-          f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {out['bph']:6.0f} |",
+          f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {hit!s:>7} | {out['bph']:6.0f} |",
           flush=True)
     if up is not None:
         vout = summarize(times[1], stores[1], args.requests)
         vout |= {k: v / steps for k, v in up.work.items()}
         vout["cold"] = statistics.median(p[1][0] for p in probes) * 1e3
         vout["warm"] = statistics.median(p[1][1] for p in probes) * 1e3
+        vout["hit"] = probes[0][1][2]
         out["vllm"] = vout
     if args.profile and context == max(args.contexts):
         profile(eng)
@@ -367,13 +379,14 @@ def print_vllm(vllm: Any, res: dict[tuple[str, int], dict[str, Any]]) -> None:
           "interleaved; its manager is a near-free mock (per group a dict of the last "
           "num_cpu_blocks keys stored), kvcore's is its real LRU manager")
     print("| layout           | context | vLLM mean ms | p50 | p99 | kvcore mean ms | decode x | "
-          "vLLM cold ms | cold x | vLLM warm ms | warm x | stores | keys | flush | load |")
+          "vLLM cold ms | cold x | vLLM warm ms | warm x | hit | stores | keys | flush | load |")
     for (layout, context), r in res.items():
         v = r["vllm"]
         print(f"| {LAYOUTS[layout]:16} | {context:>7} | {v['mean']:8.2f} | {v['p50']:6.2f} | "
               f"{v['p99']:6.2f} | {r['mean']:8.2f} | {v['mean'] / r['mean']:5.1f} | "
               f"{v['cold']:8.2f} | {v['cold'] / r['cold']:5.1f} | {v['warm']:8.2f} | "
-              f"{v['warm'] / r['warm']:5.1f} | {v['stores']:6.1f} | {v['keys']:7.1f} | "
+              f"{v['warm'] / r['warm']:5.1f} | {v['hit']!s:>7} | {v['stores']:6.1f} | "
+              f"{v['keys']:7.1f} | "
               f"{v['flushes']:5.1f} | {v['loads']:4.1f} |")
 
 
@@ -418,7 +431,7 @@ def main() -> None:
           f"python {platform.python_version()}; {args.requests} requests decoding "
           f"1+{SPEC_TOKENS} tokens/step, {args.steps} steps, thread CPU time")
     print("| layout           | context | mean ms | p50 | p99 | us/req | admit ms | store x | "
-          "stores | keys | flush | load | cold ms | warm ms | B/hash |")
+          "stores | keys | flush | load | cold ms | warm ms | hit | B/hash |")
     # Longest context first: the RSS growth of the first set-up is the honest memory
     # figure (later set-ups reuse pages the process already holds).
     res = {(lay, c): run_config(lay, c, args)

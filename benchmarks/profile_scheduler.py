@@ -30,8 +30,8 @@ def parts(eng: Engine, steps: int) -> dict[str, float]:
     spent = dict.fromkeys(("worker_output", "build_step", "engine"), 0.0)
     admitting = [False]
     wrapped = {"worker_output": (sched, "worker_output"), "build_step": (sched, "build_step"),
-               "grow": (eng, "grow"), "resume_tables": (eng, "resume_tables"),
-               "release": (eng, "release"), "new_hashes": (eng, "new_hashes")}
+               "grow": (eng.pool, "grow"), "resume_tables": (eng.pool, "resume_tables"),
+               "release": (eng.pool, "release"), "new_hashes": (eng, "new_hashes")}
     originals = {name: getattr(obj, attr) for name, (obj, attr) in wrapped.items()}
     admit = eng.prefill
 

@@ -22,7 +22,8 @@ stated here so that the implementation has a definition to match):
   from the window's reach before the boundary reached (the hit, or C when PENDING): the
   boundary's chunk index minus ``e`` and minus the reach in whole chunks, ``W`` or
   ``cdiv(R, o)`` when the engine retains more (``extra_retained_tokens``), whichever is
-  more, so that every chunk a lookup at the boundary reads is touched.
+  more, up to the boundary's chunk index plus ``e``: every chunk a lookup at the
+  boundary reads is touched, and none past it.
 - ``after_alloc`` pins the chunks of the load and, under ``StoreLevel.BLOCK``, moves every
   cursor to ``cdiv(C + hit, o)`` (the request hit those chunks; someone stored them). The
   load is returned at once and again in the next ``build_step``.
@@ -380,10 +381,12 @@ class ReferenceScheduler:
         return result
 
     def _touch(self, keys: list[list[Key]], boundary: int) -> None:
-        """FULL groups: every key. Window groups: from the window's reach before the boundary.
+        """FULL groups: every key. Window groups: the chunks a lookup at the boundary reads.
 
-        The reach is R tokens (``W`` chunks at least) rounded out to whole chunks, plus the
-        draft extra chunk, so no chunk a lookup at the boundary reads is left untouched.
+        From the reach before the boundary (R tokens, ``W`` chunks at least, rounded out to
+        whole chunks, plus the draft extra chunk) up to the boundary's chunk plus the
+        draft extra chunk: no chunk a lookup at the boundary reads is left untouched, and
+        none past it is (a lookup that stops early is not charged for the whole prompt).
         """
         for group, g in enumerate(self.config.groups):
             if g.kind is GroupKind.FULL:
@@ -392,7 +395,7 @@ class ReferenceScheduler:
             o = g.tokens_per_chunk
             reach_tokens = max((g.window_chunks or 1) * o, g.reach_tokens)
             start = boundary // o - cdiv(reach_tokens, o) - g.extra_chunks
-            self.manager.touch(keys[group][max(0, start):])
+            self.manager.touch(keys[group][max(0, start):boundary // o + g.extra_chunks])
 
     # -- loads ---------------------------------------------------------------------------
 

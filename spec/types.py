@@ -260,7 +260,10 @@ class KeptOffsets:
     def __contains__(self, offset: object) -> bool:
         if isinstance(offset, bool) or not isinstance(offset, int):
             return False
-        return any(start <= offset < stop for start, stop in self.spans)
+        for start, stop in self.spans:  # noqa: SIM110 (a loop: any() costs a generator)
+            if start <= offset < stop:
+                return True
+        return False
 
     def __len__(self) -> int:
         return sum(stop - start for start, stop in self.spans)

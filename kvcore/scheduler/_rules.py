@@ -109,9 +109,13 @@ def served_chunks(g: GroupSpec, boundary: int, computed: int) -> tuple[int, int]
 
 # -- store ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GroupOffer:
-    """One group's candidates this step: offered chunk indices and the skipped ones."""
+    """One group's candidates this step: offered chunk indices and the skipped ones.
+
+    Not frozen: one is built per group per storing request per step, and a frozen
+    dataclass pays ``object.__setattr__`` per field; nothing mutates one once returned.
+    """
 
     old_cursor: int
     new_cursor: int
@@ -242,12 +246,13 @@ def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, stor
     rule = keep_rule(cfg, group)
     offered: list[int] = []
     skipped: dict[int, Skip] = {}
+    if end * bpc > len(table):  # checked once for the range, not per chunk
+        bad = max(cursor, len(table) // bpc)
+        raise ValueError(f"group {group}: block table has {len(table)} blocks, chunk "
+                         f"{bad} needs position {bad * bpc + bpc - 1}; pass every allocated "
+                         "block")
     for chunk in range(cursor, end):
-        last = chunk * bpc + bpc - 1
-        if last >= len(table):
-            raise ValueError(f"group {group}: block table has {len(table)} blocks, chunk "
-                             f"{chunk} needs position {last}; pass every allocated block")
-        if 0 in table[chunk * bpc:last + 1]:
+        if 0 in table[chunk * bpc:chunk * bpc + bpc]:
             # Only whole chunks are stored: a chunk with a null sub-block (outside the
             # window, or a stale block that was zeroed) would leave CPU bytes unwritten
             # that a later load starting mid-chunk reads.

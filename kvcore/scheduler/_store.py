@@ -22,9 +22,10 @@ from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import GroupKind, Key, OffloadConfig
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StoreDraft:
-    """Offers for every group of one request, before the manager has answered."""
+    """Offers for every group of one request, before the manager has answered (not
+    frozen, for the same reason as ``GroupOffer``)."""
 
     offers: tuple[GroupOffer, ...]
     keys: tuple[Key, ...]
@@ -32,30 +33,34 @@ class StoreDraft:
 
 
 def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int,
-                stale: StaleWindows | None = None) -> StoreDraft:
+                stale: StaleWindows | None = None, storable: int | None = None) -> StoreDraft:
     """What ``req`` offers this step: candidates from each group's cursor to its end.
 
     Stale window positions among the candidates are zeroed first (``StaleWindows``; the
     scheduler always passes its own), so the offer skips them as null blocks. Without
     one, the tables are taken as they are (the store proofs' tables have no stale ids).
+    ``storable`` is U when the caller has it already (``storable_prefix``).
     """
-    storable = storable_prefix(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
+    if storable is None:
+        storable = storable_prefix(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
     offers = []
     keys: list[Key] = []
-    for group in range(len(cfg.groups)):
-        cursor = req.cursors[group]
-        if storable // cfg.groups[group].tokens_per_chunk <= cursor:
+    cursors, tables = req.cursors, req.tables
+    for group, g in enumerate(cfg.groups):
+        cursor = cursors[group]
+        end = storable // g.tokens_per_chunk
+        if end <= cursor:
             # The common decode step: no chunk completed since the last store.
             offers.append(GroupOffer(cursor, cursor))
             continue
-        g = cfg.groups[group]
         if stale is not None and g.kind is not GroupKind.FULL:
             bpc = g.blocks_per_chunk
-            stale.zero_stale(req.tables[group], req.placed[group], cursor * bpc,
-                             (storable // g.tokens_per_chunk) * bpc)
-        offer = group_offer(cfg, group, cursor, frontier, storable, req.tables[group])
+            stale.zero_stale(tables[group], req.placed[group], cursor * bpc, end * bpc)
+        offer = group_offer(cfg, group, cursor, frontier, storable, tables[group])
         offers.append(offer)
-        keys.extend(req.keys[group][c] for c in offer.offered)
+        if offer.offered:
+            group_keys = req.keys[group]
+            keys.extend([group_keys[c] for c in offer.offered])
     return StoreDraft(tuple(offers), tuple(keys), frontier)
 
 

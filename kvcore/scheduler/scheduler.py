@@ -112,6 +112,7 @@ class OffloadScheduler:
         self._stale = StaleWindows()
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
         self._chunk_tokens = tuple(g.tokens_per_chunk for g in config.groups)
+        self._stamp = array("q", (0,))  # the step a window position is placed at
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
@@ -260,7 +261,9 @@ class OffloadScheduler:
         return False
 
     def _touch(self, req: RequestState, boundary: int) -> None:
-        """Refresh recency: whole prefixes for FULL groups, the reachable tail for windows."""
+        """Refresh recency: whole prefixes for FULL groups; for windows, the chunks a lookup
+        at ``boundary`` reads (the reach before it, and a draft group's extra chunks), so a
+        lookup that stops early touches O(window) keys, not the rest of the prompt."""
         for group, g in enumerate(self.config.groups):
             keys = req.keys[group]
             if g.kind is GroupKind.FULL:
@@ -268,7 +271,8 @@ class OffloadScheduler:
             else:
                 hit_chunks = boundary // g.tokens_per_chunk
                 reach = reach_chunks(g) + g.extra_chunks
-                self.manager.touch(keys[max(0, hit_chunks - reach):])
+                self.manager.touch(keys[max(0, hit_chunks - reach):
+                                        hit_chunks + g.extra_chunks])
 
     # -- loads --------------------------------------------------------------------------
 
@@ -415,9 +419,10 @@ class OffloadScheduler:
         if preempted:
             return hash_len
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
+        new, tables = sr.new_block_ids, req.tables
         for group, g in enumerate(cfg.groups):
-            have = 0 if sr.resumed else len(req.tables[group])
-            have += len(sr.new_block_ids[group]) if sr.new_block_ids else 0
+            have = 0 if sr.resumed else len(tables[group])
+            have += len(new[group]) if new else 0
             if have < cdiv(frontier, g.tokens_per_block):
                 raise BadStepError(f"request {rid!r}: group {group} has {have} blocks, but "
                                    f"{cdiv(frontier, g.tokens_per_block)} hold its "
@@ -429,11 +434,14 @@ class OffloadScheduler:
             req.hashes.extend(sr.new_hashes)
         if sr.resumed:
             req.clear_tables()
-        stamp = array("q", (self._stale.step,))
+        stamp = self._stamp
+        if stamp[0] != self._stale.step:
+            stamp[0] = self._stale.step  # one array per step, not one per request
+        window = self._window_groups
         for group, ids in enumerate(sr.new_block_ids):
             if ids:
                 req.tables[group].extend(ids)
-                if self._window_groups[group]:
+                if window[group]:
                     req.placed[group].extend(stamp * len(ids))
 
     def _drop(self, request_id: str) -> None:
@@ -444,11 +452,13 @@ class OffloadScheduler:
         if req.jobs and any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
             return None
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
-        if not self.check and not self._chunk_completed(req, frontier):
+        storable = storable_prefix(self.config, frontier, req.prompt_tokens,
+                                   req.max_offload_tokens)
+        if not self.check and not self._chunk_completed(req, storable):
             # Most decode steps complete no chunk: no offer, no cursor moves, no records
             # to check (with checks on the full path runs, to hand E1/E2 their records).
             return None
-        draft = _store.draft_store(self.config, req, frontier, self._stale)
+        draft = _store.draft_store(self.config, req, frontier, self._stale, storable)
         if not draft.keys:
             self._move_cursors(req, draft)
             if self.check:
@@ -479,11 +489,9 @@ class OffloadScheduler:
                            JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id))])
         return built.plan
 
-    def _chunk_completed(self, req: RequestState, frontier: int) -> bool:
+    def _chunk_completed(self, req: RequestState, storable: int) -> bool:
         """Whether any group has a chunk at or past its cursor inside the storable prefix
-        (``draft_store`` offers nothing otherwise)."""
-        storable = storable_prefix(self.config, frontier, req.prompt_tokens,
-                                   req.max_offload_tokens)
+        ``storable`` (``draft_store`` offers nothing otherwise)."""
         for tokens, cursor in zip(self._chunk_tokens, req.cursors, strict=True):
             if storable // tokens > cursor:
                 return True

@@ -397,20 +397,21 @@ def test_two_groups_full_and_sliding_window() -> None:
 
 def test_draft_window_touch_reaches_its_extra_chunk() -> None:
     """§7.2 item 6, with a draft window group: the lookup touches the window group's keys
-    from W + e chunks before the boundary (upstream: W), so the extra chunk a later lookup
-    needs stays as recent as the window itself."""
+    from W + e chunks before the boundary (upstream: W) to e chunks past it, so the extra
+    chunk a later lookup needs stays as recent as the window itself, and none beyond."""
     cfg = config(GroupSpec(FULL, 4), draft(SLIDING, 8))
     e, spy = engine(cfg, spec_tokens=1)
     rid = e.arrive(tokens(25), 1)
     spy.calls.clear()
     assert e.admit(rid) == 0
     keys = group_keys(cfg, 1, e.reqs[rid].hashes)
-    assert spy.named("touch")[1] == tuple(keys)  # boundary C = 0: everything from chunk 0
+    # Boundary C = 0: only the extra chunk a lookup at 0 reads, not the rest of the prompt.
+    assert spy.named("touch")[1] == tuple(keys[:1])
     e.run(10)
     again = e.arrive(tokens(25), 1)
     spy.calls.clear()
     assert e.admit(again) == 16  # chunk 4 is the draft group's extra chunk beyond 16
-    assert spy.named("touch")[1] == tuple(keys[16 // 4 - 3:])
+    assert spy.named("touch")[1] == tuple(keys[16 // 4 - 3:16 // 4 + 1])
 
 
 def test_swa_alignment_skip() -> None:
