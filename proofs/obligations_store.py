@@ -187,7 +187,8 @@ def offer_one_step(tpb: int, bpc: int, draft: bool, cursor: int, frontier: int,
 NO_HOLD_BACK = mutant("kvcore.scheduler._rules:store_end", "if g.is_draft:", "if False:",
                       "the draft group's volatile chunk is offered (pre-#44784)")
 LAST_BLOCK_ONLY = mutant("kvcore.scheduler._rules:group_offer",
-                         "if 0 in table[chunk * bpc:chunk * bpc + bpc]:", "if table[chunk * bpc + bpc - 1] == 0:",
+                         "if 0 in table[chunk * bpc:chunk * bpc + bpc]:",
+                         "if table[chunk * bpc + bpc - 1] == 0:",
                          "W24: a chunk is skipped only when its last block is null")
 FIRST_CANDIDATE_SKIPPED = mutant("kvcore.scheduler._rules:group_offer",
                                  "for chunk in range(cursor, end):",

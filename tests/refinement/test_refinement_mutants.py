@@ -78,7 +78,8 @@ class Mutant:
 MUTANTS = [
     Mutant("offer: only a chunk's last block is checked for null (upstream W24)",
            _store, "group_offer", _rules.group_offer,
-           "if 0 in table[chunk * bpc:chunk * bpc + bpc]:", "if table[chunk * bpc + bpc - 1] == 0:"),
+           "if 0 in table[chunk * bpc:chunk * bpc + bpc]:",
+           "if table[chunk * bpc + bpc - 1] == 0:"),
     Mutant("store end: a draft group's volatile chunk is storable",
            _rules, "store_end", _rules.store_end,
            "max(frontier // o - 1, 0)", "max(frontier // o, 0)", invariant="E1"),
