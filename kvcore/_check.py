@@ -91,11 +91,12 @@ PROFILES: tuple[dict[str, Any], ...] = (
      "events_rate": 0.2, "max_pending_events": 24},
 )
 # What the config lets the engine vary, crossed with the profiles: the storable prefix U
-# below the frontier V (prompt only; a config cap; per-request caps) and GPU prefix-cache
-# hits, so lookups start past token 0 and loads fill blocks after valid ones.
+# below the frontier V (prompt only; a config cap; per-request caps), GPU prefix-cache
+# hits, so lookups start past token 0 and loads fill blocks after valid ones, and prompts
+# that end on a chunk boundary (where the N - 1 limit decides the hit).
 VARIANTS: tuple[dict[str, Any], ...] = (
-    {"gpu_cache_rate": 0.3},
-    {"prompt_only": True, "gpu_cache_rate": 0.5},
+    {"gpu_cache_rate": 0.3, "aligned_prompt_rate": 0.3},
+    {"prompt_only": True, "gpu_cache_rate": 0.5, "aligned_prompt_rate": 0.3},
     {"max_offload_tokens_share": 0.5, "request_cap_rate": 0.3},
     {"request_cap_rate": 0.5, "gpu_cache_rate": 0.5, "shared_prefix_rate": 0.9},
 )

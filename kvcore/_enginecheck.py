@@ -42,6 +42,7 @@ from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._checks import enforce
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import (
+    InvariantViolation,
     KeyGroupError,
     KeyNotReadyError,
     KVCopyError,
@@ -49,7 +50,7 @@ from kvcore.spec.errors import (
     NotPinnedError,
     TransferArgumentError,
 )
-from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord
+from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord, Violation
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import Key, OffloadConfig, make_key
 from kvcore.transfer import TransferEngine, TransferResult, cpu_capacity
@@ -319,7 +320,8 @@ class _Bench:
     def run(self, plan: TransferPlan) -> None:
         """A valid plan: carried out whole, and every pool equals the model after (X2)."""
         planned = self.model.apply(plan, self.bpc)
-        self.engine.submit(plan)
+        _valid(f"submit: valid plan {plan.job_id}", partial(self.engine.submit, plan),
+               self.checked)
         result = self._finished(plan.job_id)
         wrong = self.model.differs(self.engine, self.gpu)
         enforce([TransferOutcomeRecord(plan.job_id, planned, result.success, result.bytes,
@@ -383,6 +385,8 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
                 for name, twin, expect in _faults(plan, bench.config, bench.caps, tensors,
                                                   rng):
                     bench.bounce(name, twin, expect, job)
+            if job == cases:  # the documented largest job id, 2**63 - 1, is a valid one
+                plan = replace(plan, job_id=(1 << 63) - 1)
             bench.run(plan)
             if job % 40 == 0:
                 _rebinds(bench, rng, cases + job)
@@ -412,6 +416,11 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
     wrong = _mismatch(raised, {"code": Status.E_STORAGE, "group": g})
     enforce([BadCallRecord("validate: a pool freed in place", _name(raised),
                            isinstance(raised, KVCoreError), False, wrong)], bench.checked)
+    if len(bench.gpu) > 1:
+        # The freed pool is group g's alone: a plan that leaves group g out is still valid.
+        others = tuple(GroupTransfer() if h == g else gt for h, gt in enumerate(plan.groups))
+        _valid("validate: a plan beside a freed pool it does not touch",
+               partial(bench.engine.validate, replace(plan, groups=others)), bench.checked)
     _valid("rebind_gpu_tensors: fresh pools", partial(bench.engine.rebind_gpu_tensors, fresh),
            bench.checked)
     bench.gpu = fresh
@@ -704,9 +713,34 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
                 checked)
 
 
+def _canary() -> None:
+    """The battery's detectors must bite before anything they pass is believed.
+
+    Every stage judges records through ``enforce``, and the report's counts come from
+    it; one that judged nothing (its predicate table empty, its loop skipped) would pass
+    every run, and one that counted nothing would report a check that never ran. A
+    record A1 condemns (a bad call that was accepted) must raise and be counted once, or
+    the run stops with A1 itself.
+    """
+    condemned = BadCallRecord("the battery's canary: a bad call that was accepted", None,
+                              kvcore_error=False, changed=False)
+    counts: dict[str, int] = {}
+    try:
+        enforce([condemned], counts)
+    except InvariantViolation:
+        if counts == {"A1": 1}:
+            return
+        problem = f"enforce counted {counts} for one A1 record"
+    else:
+        problem = "enforce passed a record that A1 condemns"
+    raise InvariantViolation([Violation("A1", f"the checks are off: {problem}, so no "
+                                        "stage's figures mean anything")])
+
+
 def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
     """The "set-up" stage: every constructor twin must raise a kvcore error naming the
-    argument, and leave no thread behind (A1)."""
+    argument, and leave no thread behind (A1). It starts with the canary (``_canary``)."""
+    _canary()
     cfg = _layout(config)
     gpu = _tensors(cfg, random.Random("setup"))
     tier_bytes = _valid_setups(config, cfg, gpu, checked)

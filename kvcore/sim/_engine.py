@@ -129,7 +129,9 @@ class Simulator:
                     for _ in cfg.groups]
         self.transfer = TransferEngine(cfg, self.gpu)
         self.free_ids: list[int] = list(range(cfg.num_gpu_blocks - 1, 0, -1))
-        self.prompts = PromptSource(self.rng, opts.context_tokens, opts.shared_prefix_rate)
+        self.prompts = PromptSource(self.rng, opts.context_tokens, opts.shared_prefix_rate,
+                                    opts.aligned_prompt_rate,
+                                    max(g.tokens_per_chunk for g in cfg.groups))
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.reqs: dict[str, SimRequest] = {}
@@ -489,7 +491,8 @@ class Simulator:
             self.counters.finished += 1
         if self.created < self.options.requests:
             if not aborted and self.rng.random() < self.options.follow_up_rate:
-                self.add_request(req.tokens + self.prompts.tokens(self.rng.randrange(1, 48)))
+                self.add_request(self.prompts.aligned(
+                    req.tokens + self.prompts.tokens(self.rng.randrange(1, 48))))
             else:
                 self.add_request()
 

@@ -23,6 +23,10 @@ class SimOptions:
     spec_tokens: int = 2
     accept_rate: float = 0.7
     shared_prefix_rate: float = 0.6
+    # Share of prompts whose length is a whole number of the layout's largest chunk
+    # (a boundary at the prompt's end itself, where the N - 1 limit of window groups
+    # decides the hit); other prompts end anywhere.
+    aligned_prompt_rate: float = 0.0
     follow_up_rate: float = 0.3
     fail_rate: float | None = None
     delay_rate: float | None = None
@@ -82,6 +86,8 @@ class PromptSource:
     rng: random.Random
     context_tokens: int
     shared_prefix_rate: float
+    aligned_rate: float = 0.0
+    align: int = 1
     systems: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -96,5 +102,17 @@ class PromptSource:
         total = max(2, int(self.context_tokens * self.rng.uniform(0.7, 1.0)))
         if self.rng.random() < self.shared_prefix_rate:
             system = self.rng.choice(self.systems)[:total]
-            return system + self.tokens(total - len(system) + self.rng.randrange(1, 32))
-        return self.tokens(total)
+            out = system + self.tokens(total - len(system) + self.rng.randrange(1, 32))
+        else:
+            out = self.tokens(total)
+        return self.aligned(out)
+
+    def aligned(self, prompt: list[int]) -> list[int]:
+        """``prompt``, or (at ``aligned_rate``) its longest prefix of whole ``align``-token
+        chunks (padded up to one chunk): a follow-up cut so ends inside the earlier
+        request's tokens, all of them in the tier. Drawn only when the rate is set, so
+        runs without aligned prompts keep their seeds."""
+        if self.aligned_rate and self.rng.random() < self.aligned_rate:
+            keep = max(self.align, len(prompt) // self.align * self.align)
+            return (prompt + self.tokens(keep - len(prompt)))[:keep]
+        return prompt

@@ -134,3 +134,13 @@ def test_a_release_before_validation_is_caught(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(CPUOffloadManager, "complete_load", eager)
     assert "but changed the state" in caught(
         "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_checks_that_count_nothing_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``tally`` counts nothing (every stage's figures read 0); the canary that
+    opens the set-up stage stops the run under A1."""
+    from kvcore.scheduler import _checks
+
+    monkeypatch.setattr(_checks, "tally", lambda records, counts: None)
+    assert "the checks are off" in caught(
+        "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
