@@ -17,7 +17,9 @@ in which more than the usual number of requests store (the storing-step ratio is
 mean over the mean of steps storing fewer), the work counters per step (stores, keys
 stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of a fresh
 128K prompt whose prefix is in the tier: keys derived inside the timed span) and the warm
-one (a second lookup of the same request). Memory: RSS growth over the set-up divided by
+one (a second lookup of the same request), with the hit it answered. The workers report
+every job before the probes, so the probe's prefix is READY: a probe while its stores are
+in flight answers PENDING, a deferral, which is not the cost of a lookup. Memory: RSS growth over the set-up divided by
 the hash blocks tracked; only the first configuration's figure (the SUMMARY's) is clean.
 
 vLLM: when ``vllm`` is importable (``--no-vllm`` skips it), the same workload also runs
