@@ -328,8 +328,9 @@ def check_keys(where: str, keys: object) -> None:
     if not isinstance(keys, list | tuple):
         raise ArgumentTypeError(where, "keys", keys, "a list or tuple of bytes keys",
                                 "wrap the keys in a list")
+    # Two C passes (types, then lengths into a set, usually of one size), not three.
     if keys and (not set(map(type, keys)) <= _BYTES
-                 or not 0 < min(map(len, keys)) <= max(map(len, keys)) <= MAX_KEY_BYTES):
+                 or not 0 < min(sizes := set(map(len, keys))) <= max(sizes) <= MAX_KEY_BYTES):
         for key in keys:
             check_key(where, key)
 

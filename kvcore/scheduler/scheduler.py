@@ -19,6 +19,8 @@ from typing import Any
 from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import (
+    FULL_READ_BLOCK,
+    READ_BLOCK,
     Convergence,
     HitTest,
     Smaller,
@@ -113,6 +115,8 @@ class OffloadScheduler:
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
         self._chunk_tokens = tuple(g.tokens_per_chunk for g in config.groups)
         self._stamp = array("q", (0,))  # the step a window position is placed at
+        self._read_blocks = tuple(FULL_READ_BLOCK if g.kind is GroupKind.FULL else READ_BLOCK
+                                  for g in config.groups)
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
@@ -207,7 +211,7 @@ class OffloadScheduler:
     def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int,
                     max_tokens: int | None = None
                     ) -> tuple[LookupResult, Convergence, list[list[Status | None]]]:
-        reader = StatusReader(req.keys, self.manager)
+        reader = StatusReader(req.keys, self.manager, self._read_blocks)
         num_keys = [len(k) for k in req.keys]
 
         def run(is_hit: Callable[[int, int], bool]) -> Convergence:
