@@ -275,14 +275,7 @@ def _mismatch(exc: BaseException | None, expect: Expect) -> str:
         return _named(exc, str(expect["where"]))
     if not isinstance(exc, KVCopyError):
         return f"raised {type(exc).__name__}, a bad id is a KVCopyError"
-    got = {"code": exc.code, "descriptor_index": exc.descriptor_index, "group": exc.group,
-           "value": exc.value, "bound": exc.bound, "side": exc.side}
-    wrong = [f"{k}={got[k]!r} (want {v!r})" for k, v in expect.items()
-             if k != "says" and got[k] != v]
-    says = expect.get("says")
-    if isinstance(says, str) and says not in str(exc):
-        wrong.append(f"its message lacks {says!r}")
-    return ", ".join(wrong)
+    return _carries(exc, expect)
 
 
 # -- the stages ----------------------------------------------------------------------------
@@ -390,8 +383,35 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
             bench.run(plan)
             if job % 40 == 0:
                 _rebinds(bench, rng, cases + job)
+        _read_back(bench)
     finally:
         bench.engine.close()
+
+
+def _read_back(bench: _Bench) -> None:
+    """``read_cpu_chunk``, the tier's read-back: the first and last slot of every group
+    must read what the model holds (X2); a slot past the tier, a negative one or a bool
+    must be refused naming ``slot`` and the tier's range (A1)."""
+    for g, cap in enumerate(bench.caps):
+        want = bench.model.cpu[g][0]
+        for slot in (0, cap - 1):
+            got = _valid(f"read_cpu_chunk({g}, 0, {slot})",
+                         partial(bench.engine.read_cpu_chunk, g, 0, slot), bench.checked)
+            enforce([SetupRecord(f"read_cpu_chunk({g}, 0, {slot}) reads the chunk's bytes",
+                                 None if got == bytes(want[slot].tolist())
+                                 else "bytes differ from the model's")], bench.checked)
+        for bad in (cap, -1, True):
+            raised: BaseException | None = None
+            try:
+                bench.engine.read_cpu_chunk(g, 0, bad)
+            except Exception as exc:  # judged by the record
+                raised = exc
+            wrong = _named(raised, "slot")
+            if not wrong and raised is not None and f"0..{cap - 1}" not in str(raised):
+                wrong = f"does not say the tier's range 0..{cap - 1}"
+            enforce([BadCallRecord(f"read_cpu_chunk({g}, 0, {bad!r})", _name(raised),
+                                   isinstance(raised, KVCoreError), False, wrong)],
+                    bench.checked)
 
 
 def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
@@ -478,6 +498,7 @@ class SetupTwin(NamedTuple):
     call: Call
     wanted: tuple[str, ...]
     says: str = ""
+    fields: Expect | None = None  # attributes the error must carry, e.g. value and bound
 # One bad value per kind of OffloadConfig / GroupSpec field, by its declared type.
 BAD_VALUES: dict[str, tuple[object, ...]] = {
     "int": (-1, True), "int | None": (-1, 1.5), "bool": (1, "yes"), "str": (7,),
@@ -639,7 +660,8 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
 
 def _phrase_twins(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torch.Tensor]]
                   ) -> list[SetupTwin]:
-    """Twins whose argument alone does not tell the fault apart: the message must say it.
+    """Twins whose argument alone does not tell the fault apart: the message must say it
+    (and, where the error carries them, its value and bound must be the fault's).
 
     A GPU tensor on torch's ``meta`` device gives two devices on a CPU-only machine, the
     smallest case of "several devices"; a check that let it through would still refuse
@@ -649,12 +671,28 @@ def _phrase_twins(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     meta = [list(ts) for ts in gpu]
     meta[g][0] = torch.empty(gpu[g][0].shape, dtype=gpu[g][0].dtype, device="meta")
     last = len(config.groups) - 1
+    empty = [list(ts) for ts in gpu]
+    empty[g][0] = torch.zeros((cfg.num_gpu_blocks, 0), dtype=torch.uint8)
     return [
+        SetupTwin("TransferEngine: a tensor of 0 bytes per block",
+                  lambda: TransferEngine(cfg, empty), (f"gpu_tensors[{g}][0]",),
+                  "0 bytes per block", {"value": 0, "bound": 1}),
         SetupTwin("TransferEngine: tensors on cpu and meta",
                   lambda: TransferEngine(cfg, meta), ("gpu_tensors",), "several devices"),
         SetupTwin("group_capacity: one group past the config (its range)",
                   lambda: group_capacity(config, last + 1), ("group",), f"0..{last}"),
     ]
+
+
+def _carries(raised: BaseException, expect: Expect) -> str:
+    """How an error's attributes (and, under "says", its message) differ from what the
+    fault implies ("" when they agree)."""
+    wrong = [f"{a}={getattr(raised, a, None)!r}, the fault implies {v!r}"
+             for a, v in expect.items() if a != "says" and getattr(raised, a, None) != v]
+    says = expect.get("says")
+    if isinstance(says, str) and says not in str(raised):
+        wrong.append(f"a message without {says!r}")
+    return f"carries {'; '.join(wrong)}" if wrong else ""
 
 
 def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
@@ -704,9 +742,7 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
         except Exception as exc:  # judged by the record
             raised = exc
         wrong = "" if raised is None or isinstance(raised, cls) else f"not a {cls.__name__}"
-        wrong = wrong or "; ".join(f"{a}={getattr(raised, a, None)!r}, the fault implies {v!r}"
-                                   for a, v in expect.items()
-                                   if raised is not None and getattr(raised, a, None) != v)
+        wrong = wrong or (_carries(raised, expect) if raised is not None else "")
         after = (mgr.stats(), [mgr.state_of(k) for k in keys])
         enforce([BadCallRecord(f"CPUOffloadManager.{name}", _name(raised),
                                isinstance(raised, KVCoreError), after != before, wrong)],
@@ -747,7 +783,7 @@ def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
     twins = [SetupTwin(*t) for t in
              _config_twins(config) + _object_twins(config) + _engine_twins(cfg, gpu, tier_bytes)]
     twins += _phrase_twins(config, cfg, gpu)
-    for name, call, wanted, says in twins:
+    for name, call, wanted, says, expect in twins:
         threads = threading.active_count()
         raised: BaseException | None = None
         made: object = None
@@ -760,6 +796,8 @@ def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
         wrong = _named(raised, *wanted)
         if not wrong and raised is not None and says and says not in str(raised):
             wrong = f"does not say {says!r}"
+        if not wrong and raised is not None and expect:
+            wrong = _carries(raised, expect)
         enforce([BadCallRecord(name, _name(raised), isinstance(raised, KVCoreError),
                                threading.active_count() > threads, wrong)], checked)
     _manager_calls(config, checked)

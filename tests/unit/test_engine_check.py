@@ -114,7 +114,7 @@ def test_a_manager_error_with_the_wrong_pin_count_is_caught(
     def more(key: bytes, state: str, pins: int, releases: int) -> Exception:
         return real(key, state, pins + 1, releases)
     monkeypatch.setattr(_cpu, "NotPinnedError", more)
-    assert "pins=1, the fault implies 0" in caught(
+    assert "carries pins=1, the fault implies 0" in caught(
         "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
 
 
