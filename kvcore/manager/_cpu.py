@@ -22,10 +22,9 @@ from kvcore.manager._base import OffloadManager
 from kvcore.manager._capacity import check_config, cpu_capacities
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
-from kvcore.scheduler._checks import checks_enabled
+from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.spec.errors import (
     ConfigError,
-    InvariantViolation,
     KeyGroupError,
     KeyNotReadyError,
     NotPinnedError,
@@ -37,7 +36,7 @@ from kvcore.spec.hooks import (
     check_keys,
     check_success,
 )
-from kvcore.spec.invariants import EvictionRecord, m1_eviction_safe
+from kvcore.spec.invariants import EvictionRecord
 from kvcore.spec.manager_model import (
     ManagerEvent,
     ManagerStats,
@@ -455,7 +454,4 @@ class CPUOffloadManager(OffloadManager):
             returned_none=returned_none,
             changed_state=before != self._fingerprint(),
         )
-        self.checked["M1"] = self.checked.get("M1", 0) + 1
-        violations = m1_eviction_safe(record)
-        if violations:
-            raise InvariantViolation(violations)
+        enforce([record], self.checked)  # the one funnel: counted and judged as every record
