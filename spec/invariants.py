@@ -730,6 +730,31 @@ def k1_keys_distinct(r: KeyRecord) -> list[Violation]:
 
 
 @dataclass(frozen=True)
+class TierAgreementRecord:
+    """One tier call beside the reference manager's answer to the same call (M2).
+
+    ``got`` and ``want`` are what the tier and the reference returned, or now hold, for
+    it: a key's status, the keys' states and slots after a load call, the events of a
+    drain with the count dropped. They are compared whole.
+    """
+
+    call: str
+    got: object
+    want: object
+    policy: str = ""
+
+
+def m2_tier_agrees(r: TierAgreementRecord) -> list[Violation]:
+    """M2: every answer of the tier is the reference manager's: a status, a pin, a slot
+    or an event that differs misleads the lookup, the load or a router reading events."""
+    if r.got == r.want:
+        return []
+    # Cut: a drain's events can name thousands of keys.
+    return [Violation("M2", f"{r.call}: the tier gives {str(r.got)[:300]}, the reference "
+                      f"{str(r.want)[:300]}", {"policy": r.policy, "call": r.call})]
+
+
+@dataclass(frozen=True)
 class EvictionOrderRecord:
     """One ``prepare_store`` that needed room, beside an independent view of the tier (M2).
 
@@ -828,6 +853,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     EvictionRecord: (m1_eviction_safe,),
     KeyRecord: (k1_keys_distinct,),
     EvictionOrderRecord: (m2_eviction_order,),
+    TierAgreementRecord: (m2_tier_agrees,),
 }
 
 # The id each predicate checks, derived from its name, so the catalogue test can compare

@@ -17,8 +17,7 @@ from typing import Any
 
 from kvcore.manager import CPUOffloadManager, PrepareStoreResult
 from kvcore.scheduler._checks import enforce
-from kvcore.spec.errors import InvariantViolation
-from kvcore.spec.invariants import EvictionOrderRecord, Violation, m2_eviction_order
+from kvcore.spec.invariants import EvictionOrderRecord, TierAgreementRecord, m2_eviction_order
 from kvcore.spec.manager_model import ReferenceManager
 from kvcore.spec.types import DEFAULT_MAX_PENDING_EVENTS, Key, Status, key_group
 
@@ -78,11 +77,6 @@ class _ArcLists:
         self.target = 0.0
 
 
-def _events(events: Sequence[Any]) -> str:
-    return ", ".join(f"{'removed' if e.removed else 'stored'} {len(e.keys)}"
-                     for e in events[:6]) or "no events"
-
-
 class ShadowedManager:
     """The real CPU tier, with every answer compared with the reference's (M2)."""
 
@@ -105,10 +99,8 @@ class ShadowedManager:
     def lookup(self, key: Key) -> Status:
         status = self.real.lookup(key)
         want = self.reference.lookup(key)
-        if status is not want:
-            raise InvariantViolation([Violation(
-                "M2", f"the tier answers {status.name} for key {key.hex()[:12]}, the "
-                f"reference {want.name}", {"policy": self.policy_name})])
+        enforce([TierAgreementRecord(f"lookup({key.hex()[:12]})", status.name, want.name,
+                                     self.policy_name)], self.checked)
         return status
 
     def touch(self, keys: Sequence[Key]) -> None:
@@ -132,13 +124,11 @@ class ShadowedManager:
                         want: Any = None) -> None:
         """After a load call the keys' states (pinned or not) and slots are the reference's."""
         real, ref = self.real, self.reference
-        bad = [k for k in dict.fromkeys(keys) if real.state_of(k) != ref.state_of(k)]
-        if bad or slots != want:
-            k = bad[0] if bad else keys[0]
-            raise InvariantViolation([Violation(
-                "M2", f"after {call} key {k.hex()[:12]} is {real.state_of(k)} in the tier, "
-                f"{ref.state_of(k)} in the reference (slots {slots} vs {want})",
-                {"policy": self.policy_name, "call": call})])
+        unique = list(dict.fromkeys(keys))
+        enforce([TierAgreementRecord(
+            f"{call} of {len(unique)} keys: states and slots",
+            ([real.state_of(k) for k in unique], slots),
+            ([ref.state_of(k) for k in unique], want), self.policy_name)], self.checked)
 
     def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreResult | None:
         ref = self.reference
@@ -217,11 +207,8 @@ class ShadowedManager:
         as an eviction (or the other way round) misleads every router that reads them."""
         got, want = self.real.take_events(), self.reference.take_events()
         dropped = self.real.stats().events_dropped, self.reference.stats().events_dropped
-        if got != want or dropped[0] != dropped[1]:
-            raise InvariantViolation([Violation(
-                "M2", f"the tier reports {_events(got)} ({dropped[0]} dropped), the "
-                f"reference {_events(want)} ({dropped[1]} dropped)",
-                {"policy": self.policy_name})])
+        enforce([TierAgreementRecord("take_events (events, dropped)", (got, dropped[0]),
+                                     (want, dropped[1]), self.policy_name)], self.checked)
         return got
 
     def reset(self) -> None:

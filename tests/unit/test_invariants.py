@@ -49,6 +49,7 @@ from kvcore.spec.invariants import (
     SetupRecord,
     Skip,
     StoreOfferRecord,
+    TierAgreementRecord,
     TraceEntry,
     TransferOutcomeRecord,
     Violation,
@@ -70,6 +71,7 @@ from kvcore.spec.invariants import (
     l3_load_covers_every_block,
     m1_eviction_safe,
     m2_eviction_order,
+    m2_tier_agrees,
     r1_refines_reference,
     s1_plan_shape,
     s2_store_runs,
@@ -164,6 +166,7 @@ M2_LRU_OK = EvictionOrderRecord("lru", 2, ((K[0], K[1], K[2]),), (K[0], K[1]),
                                 slots=(4, 5), expected_slots=(4, 5))
 M2_ARC_OK = EvictionOrderRecord("arc", 2, ((K[0], K[1]), (K[2],)), (K[2], K[0]),
                                 t1_size=2, target=3.5, tier_target=3.5)
+M2_TIER_OK = TierAgreementRecord("lookup(ab12)", "HIT", "HIT", "lru")
 K1_OK = KeyRecord(((0, b"a", make_key(b"a", 0)), (1, b"a", make_key(b"a", 1)),
                    (0, b"a", make_key(b"a", 0))))
 
@@ -408,6 +411,13 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                "arc evicted"),
         Across("the tier's p drifted from the rule's, the same victims still",
                replace(M2_ARC_OK, tier_target=4.5), "target p is 4.5 in the tier"),
+    ]),
+    (m2_tier_agrees, M2_TIER_OK, [
+        Across("a key the reference holds READY answered PENDING",
+               replace(M2_TIER_OK, got="PENDING"), "the tier gives PENDING"),
+        Across("a drain's dropped count differs",
+               replace(M2_TIER_OK, call="take_events", got=((), 1), want=((), 0)),
+               "take_events: the tier gives ((), 1)"),
     ]),
     (k1_keys_distinct, K1_OK, [
         Across("one key for two groups",
