@@ -42,6 +42,7 @@ from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._checks import enforce
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import (
+    BadKeyError,
     InvariantViolation,
     KeyGroupError,
     KeyNotReadyError,
@@ -50,9 +51,11 @@ from kvcore.spec.errors import (
     NotPinnedError,
     TransferArgumentError,
 )
+from kvcore.spec.hooks import MAX_KEY_BYTES
 from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord, Violation
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import Key, OffloadConfig, make_key
+from kvcore.spec.types import Status as KeyStatus
 from kvcore.transfer import TransferEngine, TransferResult, cpu_capacity
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
@@ -390,8 +393,9 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
 
 def _read_back(bench: _Bench) -> None:
     """``read_cpu_chunk``, the tier's read-back: the first and last slot of every group
-    must read what the model holds (X2); a slot past the tier, a negative one or a bool
-    must be refused naming ``slot`` and the tier's range (A1)."""
+    must read what the model holds (X2); a slot past the tier, a negative one or a bool,
+    a group or tensor index past the engine's must be refused naming the argument and
+    its range (A1)."""
     for g, cap in enumerate(bench.caps):
         want = bench.model.cpu[g][0]
         for slot in (0, cap - 1):
@@ -400,16 +404,22 @@ def _read_back(bench: _Bench) -> None:
             enforce([SetupRecord(f"read_cpu_chunk({g}, 0, {slot}) reads the chunk's bytes",
                                  None if got == bytes(want[slot].tolist())
                                  else "bytes differ from the model's")], bench.checked)
-        for bad in (cap, -1, True):
+        groups, tensors = len(bench.caps), len(bench.gpu[g])
+        bad_calls: list[tuple[tuple[object, object, object], str, str]] = [
+            ((g, 0, cap), "slot", f"0..{cap - 1}"), ((g, 0, -1), "slot", f"0..{cap - 1}"),
+            ((g, 0, True), "slot", f"0..{cap - 1}"),
+            ((groups, 0, 0), "group", f"0..{groups - 1}"), ((-1, 0, 0), "group", "0.."),
+            ((g, tensors, 0), "tensor", f"0..{tensors - 1}")]
+        for args, names, says in bad_calls:
             raised: BaseException | None = None
             try:
-                bench.engine.read_cpu_chunk(g, 0, bad)
+                bench.engine.read_cpu_chunk(*args)  # type: ignore[arg-type]
             except Exception as exc:  # judged by the record
                 raised = exc
-            wrong = _named(raised, "slot")
-            if not wrong and raised is not None and f"0..{cap - 1}" not in str(raised):
-                wrong = f"does not say the tier's range 0..{cap - 1}"
-            enforce([BadCallRecord(f"read_cpu_chunk({g}, 0, {bad!r})", _name(raised),
+            wrong = _named(raised, names)
+            if not wrong and raised is not None and says not in str(raised):
+                wrong = f"does not say the range {says}"
+            enforce([BadCallRecord(f"read_cpu_chunk{args!r}", _name(raised),
                                    isinstance(raised, KVCoreError), False, wrong)],
                     bench.checked)
 
@@ -733,7 +743,19 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
         ("prepare_store: a key of a group past the config",
          lambda: mgr.prepare_store([key(5, len(config.groups))]), KeyGroupError,
          {"group": len(config.groups)}),
+        ("lookup: a key past MAX_KEY_BYTES", lambda: mgr.lookup(bytes(MAX_KEY_BYTES + 1)),
+         BadKeyError, {}),
+        ("lookup_many: an empty key", lambda: mgr.lookup_many([b""]), BadKeyError, {}),
     ]
+    # The shortest and the longest keys are keys: a lookup answers MISS, not an error.
+    for edge in (b"k", bytes(MAX_KEY_BYTES)):
+        for name, ask in (("lookup", partial(mgr.lookup, edge)),
+                          ("lookup_many", partial(mgr.lookup_many, [edge]))):
+            got = _valid(f"CPUOffloadManager.{name}: a key of {len(edge)} bytes", ask, checked)
+            enforce([SetupRecord(f"CPUOffloadManager.{name}: an absent key of {len(edge)} "
+                                 "bytes is a MISS",
+                                 None if got in (KeyStatus.MISS, [KeyStatus.MISS])
+                                 else f"answered {got}")], checked)
     for name, call, cls, expect in cases:
         before = (mgr.stats(), [mgr.state_of(k) for k in keys])
         raised: BaseException | None = None

@@ -144,3 +144,17 @@ def test_checks_that_count_nothing_are_caught(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(_checks, "tally", lambda records, counts: None)
     assert "the checks are off" in caught(
         "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_read_back_that_loses_its_range_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``read_cpu_chunk`` checks its slot against the tensor's row width, not the
+    tier's slot count (a slot past the tier reads another row or raises IndexError)."""
+    real = _engine.TransferEngine.read_cpu_chunk
+
+    def loose(self: Any, group: int, tensor: int, slot: int) -> bytes:
+        cpu = self._registered(group, tensor).cpu
+        if isinstance(slot, int) and 0 <= slot < cpu.shape[0] + 1:
+            return bytes(cpu[min(slot, cpu.shape[0] - 1)].tolist())
+        return real(self, group, tensor, slot)  # type: ignore[no-any-return]
+    monkeypatch.setattr(_engine.TransferEngine, "read_cpu_chunk", loose)
+    assert "read_cpu_chunk" in caught("A1")
