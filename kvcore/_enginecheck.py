@@ -745,6 +745,7 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
          {"group": len(config.groups)}),
         ("lookup: a key past MAX_KEY_BYTES", lambda: mgr.lookup(bytes(MAX_KEY_BYTES + 1)),
          BadKeyError, {}),
+        ("lookup: an empty key", lambda: mgr.lookup(b""), BadKeyError, {}),
         ("lookup_many: an empty key", lambda: mgr.lookup_many([b""]), BadKeyError, {}),
     ]
     # The shortest and the longest keys are keys: a lookup answers MISS, not an error.

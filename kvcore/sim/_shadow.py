@@ -17,6 +17,7 @@ from typing import Any
 
 from kvcore.manager import CPUOffloadManager, PrepareStoreResult
 from kvcore.scheduler._checks import enforce
+from kvcore.spec.errors import KVCoreError
 from kvcore.spec.invariants import EvictionOrderRecord, TierAgreementRecord, m2_eviction_order
 from kvcore.spec.manager_model import ReferenceManager
 from kvcore.spec.types import DEFAULT_MAX_PENDING_EVENTS, Key, Status, key_group
@@ -96,27 +97,50 @@ class ShadowedManager:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
 
+    def _call(self, name: str, *args: Any) -> Any:
+        """The real tier's ``name(*args)``. A kvcore error is the caller's to judge; any
+        other exception is a tier that fails where the reference answers (M2), named as
+        such instead of surfacing later as a crash of whatever called it."""
+        try:
+            return getattr(self.real, name)(*args)
+        except KVCoreError:
+            raise
+        except Exception as exc:  # judged by the record, then re-raised
+            enforce([TierAgreementRecord(name, f"raised {type(exc).__name__}: {exc}",
+                                         "an answer", self.policy_name)], self.checked)
+            raise
+
     def lookup(self, key: Key) -> Status:
-        status = self.real.lookup(key)
+        status = self._call("lookup", key)
         want = self.reference.lookup(key)
         enforce([TierAgreementRecord(f"lookup({key.hex()[:12]})", status.name, want.name,
                                      self.policy_name)], self.checked)
-        return status
+        return status  # type: ignore[no-any-return]
+
+    def lookup_many(self, keys: Sequence[Key]) -> list[Status]:
+        """The scheduler's read path (a block of keys per call): each status must be the
+        reference's."""
+        got = self._call("lookup_many", keys)
+        want = [self.reference.lookup(k) for k in keys]
+        enforce([TierAgreementRecord(f"lookup_many of {len(keys)} keys",
+                                     [s.name for s in got], [s.name for s in want],
+                                     self.policy_name)], self.checked)
+        return got  # type: ignore[no-any-return]
 
     def touch(self, keys: Sequence[Key]) -> None:
-        self.real.touch(keys)
+        self._call("touch", keys)
         self.reference.touch(keys)
         for arc in self.arcs.values():
             arc.touch(keys)  # keys of other groups are in none of its lists: ignored
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
-        slots = self.real.prepare_load(keys)
+        slots: tuple[int, ...] = self._call("prepare_load", keys)
         want = self.reference.prepare_load(keys)
         self._compare_states(keys, "prepare_load", slots, want)
         return slots
 
     def complete_load(self, keys: Sequence[Key]) -> None:
-        self.real.complete_load(keys)
+        self._call("complete_load", keys)
         self.reference.complete_load(keys)
         self._compare_states(keys, "complete_load")
 
@@ -138,7 +162,7 @@ class ShadowedManager:
             needs[key_group(key)] = needs.get(key_group(key), 0) + 1
         needs = {g: n - (ref.capacity_of(g) - ref.used_of(g)) for g, n in needs.items()}
         records = {g: self._order_record(g, keys, n) for g, n in needs.items() if n > 0}
-        out = self.real.prepare_store(keys)
+        out: PrepareStoreResult | None = self._call("prepare_store", keys)
         expected: PrepareStoreResult | None = None
         if out is not None:
             try:
@@ -196,7 +220,7 @@ class ShadowedManager:
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
         writing = [k for k in dict.fromkeys(keys) if self.reference.state.get(k) == "writing"]
-        self.real.complete_store(keys, success)
+        self._call("complete_store", keys, success)
         self.reference.complete_store(keys, success)
         if success and self.is_arc:
             for key in writing:
@@ -205,14 +229,15 @@ class ShadowedManager:
     def take_events(self) -> list[Any]:
         """The events since the last call, which must be the reference's: a store reported
         as an eviction (or the other way round) misleads every router that reads them."""
-        got, want = self.real.take_events(), self.reference.take_events()
+        got: list[Any] = self._call("take_events")
+        want = self.reference.take_events()
         dropped = self.real.stats().events_dropped, self.reference.stats().events_dropped
         enforce([TierAgreementRecord("take_events (events, dropped)", (got, dropped[0]),
                                      (want, dropped[1]), self.policy_name)], self.checked)
         return got
 
     def reset(self) -> None:
-        self.real.reset()
+        self._call("reset")
         self.reference.reset()
         for arc in self.arcs.values():
             arc.clear()
