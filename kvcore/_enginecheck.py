@@ -683,7 +683,17 @@ def _phrase_twins(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     last = len(config.groups) - 1
     empty = [list(ts) for ts in gpu]
     empty[g][0] = torch.zeros((cfg.num_gpu_blocks, 0), dtype=torch.uint8)
+    # A view at byte offset 16n of a storage cut to 16n + 8 bytes: its n rows of 16 bytes
+    # end at byte 32n, past the storage's end (value: where it ends; bound: the storage).
+    n = cfg.num_gpu_blocks
+    cut = torch.zeros(2 * n * 16, dtype=torch.uint8)
+    behind = [list(ts) for ts in gpu]
+    behind[g][0] = cut[n * 16:].view(n, 16)
+    cut.untyped_storage().resize_(n * 16 + 8)
     return [
+        SetupTwin("TransferEngine: storage shrunk under a view (its extent)",
+                  lambda: TransferEngine(cfg, behind), (f"gpu_tensors[{g}][0]",),
+                  "storage covers its shape", {"value": 2 * n * 16, "bound": n * 16 + 8}),
         SetupTwin("TransferEngine: a tensor of 0 bytes per block",
                   lambda: TransferEngine(cfg, empty), (f"gpu_tensors[{g}][0]",),
                   "0 bytes per block", {"value": 0, "bound": 1}),
@@ -718,10 +728,19 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
     def key(i: int, group: int = 0) -> Key:
         return make_key(bytes([i]) * 8, group)
     ready, pinned, writing, absent = key(1), key(2), key(3), key(4)
-    mgr.prepare_store([ready, pinned])
-    mgr.complete_store([ready, pinned])
-    mgr.prepare_load([pinned])
-    mgr.prepare_store([writing])
+    # The set-up itself is valid calls on an empty tier of the config's size (X2).
+    setup: list[tuple[str, Call]] = [
+        ("prepare_store", partial(mgr.prepare_store, [ready, pinned])),
+        ("complete_store", partial(mgr.complete_store, [ready, pinned])),
+        ("prepare_load", partial(mgr.prepare_load, [pinned])),
+        ("prepare_store", partial(mgr.prepare_store, [writing]))]
+    for name, step in setup:
+        _valid(f"CPUOffloadManager.{name} on an empty tier", step, checked)
+    states = [mgr.state_of(k) for k in (ready, pinned, writing)]
+    enforce([SetupRecord("CPUOffloadManager: two stores, a completion and a load on an empty "
+                         "tier leave ready, pinned and writing keys",
+                         None if states == ["ready", "pinned", "writing"]
+                         else f"states {states}")], checked)
     keys = (ready, pinned, writing, absent)
     cases: list[tuple[str, Call, type[KVCoreError], Expect]] = [
         ("complete_load: an absent key", lambda: mgr.complete_load([absent]), NotPinnedError,
