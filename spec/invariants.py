@@ -761,8 +761,8 @@ class EvictionOrderRecord:
     ``queues`` holds the evictable keys (READY, unpinned, not among the call's keys) of
     each recency list as tracked outside the tier, least recent first: one list for LRU,
     T1 then T2 for ARC, whose ``t1_size`` (T1 with its WRITING keys) and ``target`` (p)
-    decide which list gives each victim (``tier_target``: the tier's own p, which must
-    agree). ``victims`` is what the tier chose (None: it refused the store).
+    decide which list gives each victim (``tier_target``, ``tier_t1_size``: the tier's own
+    p and |T1|, which must agree). ``victims`` is what the tier chose (None: it refused the store).
     ``slots``/``expected_slots`` are the slots the tier and the reference handed out for
     the same choice, when compared.
     """
@@ -776,6 +776,7 @@ class EvictionOrderRecord:
     slots: tuple[int, ...] | None = None
     expected_slots: tuple[int, ...] | None = None
     tier_target: float | None = None
+    tier_t1_size: int | None = None
 
 
 def _policy_victims(r: EvictionOrderRecord) -> tuple[Key, ...] | None:
@@ -820,6 +821,9 @@ def m2_eviction_order(r: EvictionOrderRecord) -> list[Violation]:
         out.append(Violation("M2", f"{r.policy} evicted {got}, its rule names {named} "
                              f"({r.needed} needed)",
                              {"policy": r.policy, "victims": got, "expected": named}))
+    if r.tier_t1_size is not None and r.tier_t1_size != r.t1_size:
+        out.append(Violation("M2", f"arc's |T1| (with WRITING keys) is {r.tier_t1_size} in the "
+                             f"tier, {r.t1_size} by its rule", {"policy": r.policy}))
     if r.tier_target is not None and r.tier_target != r.target:
         # p decides every later choice: a drift shows before it first changes a victim.
         out.append(Violation("M2", f"arc's target p is {r.tier_target} in the tier, "

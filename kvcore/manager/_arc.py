@@ -50,6 +50,11 @@ class ARCPolicy(EvictionPolicy):
         """``p``: the size ARC currently wants T1 to have."""
         return self._target
 
+    @property
+    def t1_size(self) -> int:
+        """``|T1|`` as ARC's choice counts it: READY keys in T1 plus the WRITING ones."""
+        return len(self._t1) + self._writing
+
     def lists(self) -> dict[str, tuple[Key, ...]]:
         """T1, T2, B1 and B2, each least recent first (T1 holds READY keys only)."""
         return {"t1": tuple(self._t1), "t2": tuple(self._t2),
@@ -95,7 +100,7 @@ class ARCPolicy(EvictionPolicy):
     def choose(self, n: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         """Pick from T1 while the simulated ``|T1| >= int(p)``, else from T2, falling back
         to the other list when the preferred one has no evictable key left."""
-        t1_size = len(self._t1) + self._writing
+        t1_size = self.t1_size
         from_t1 = _candidates(self._t1, can_evict)
         from_t2 = _candidates(self._t2, can_evict)
         chosen: list[Key] = []

@@ -175,7 +175,8 @@ class ShadowedManager:
             judged = [EvictionOrderRecord(
                 r.policy, r.needed, r.queues,
                 None if out is None else tuple(k for k in out.evicted if key_group(k) == g),
-                r.t1_size, r.target, slots, exp, r.tier_target) for g, r in records.items()]
+                r.t1_size, r.target, slots, exp, r.tier_target, r.tier_t1_size)
+                for g, r in records.items()]
             if out is None:
                 # A refusal is atomic across groups: it is right when some group's rule
                 # refuses too; the groups that had room are then not judged.
@@ -216,7 +217,8 @@ class ShadowedManager:
                   tuple(k for k in arc.t2 if evictable(k)))
         tier = self.real.policy_of(group)
         return EvictionOrderRecord("arc", need, queues, None, len(arc.t1) + writing,
-                                   arc.target, tier_target=getattr(tier, "target_t1", None))
+                                   arc.target, tier_target=getattr(tier, "target_t1", None),
+                                   tier_t1_size=getattr(tier, "t1_size", None))
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
         writing = [k for k in dict.fromkeys(keys) if self.reference.state.get(k) == "writing"]

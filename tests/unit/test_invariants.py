@@ -165,7 +165,7 @@ M1_OK = EvictionRecord(call_keys=(K[0], K[1]), evicted=((K[2], "ready"), (K[3], 
 M2_LRU_OK = EvictionOrderRecord("lru", 2, ((K[0], K[1], K[2]),), (K[0], K[1]),
                                 slots=(4, 5), expected_slots=(4, 5))
 M2_ARC_OK = EvictionOrderRecord("arc", 2, ((K[0], K[1]), (K[2],)), (K[2], K[0]),
-                                t1_size=2, target=3.5, tier_target=3.5)
+                                t1_size=2, target=3.5, tier_target=3.5, tier_t1_size=2)
 M2_TIER_OK = TierAgreementRecord("lookup(ab12)", "HIT", "HIT", "lru")
 K1_OK = KeyRecord(((0, b"a", make_key(b"a", 0)), (1, b"a", make_key(b"a", 1)),
                    (0, b"a", make_key(b"a", 0))))
@@ -411,6 +411,8 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                "arc evicted"),
         Across("the tier's p drifted from the rule's, the same victims still",
                replace(M2_ARC_OK, tier_target=4.5), "target p is 4.5 in the tier"),
+        Across("the tier counts one WRITING key too many in |T1|",
+               replace(M2_ARC_OK, tier_t1_size=3), "|T1| (with WRITING keys) is 3"),
     ]),
     (m2_tier_agrees, M2_TIER_OK, [
         Across("a key the reference holds READY answered PENDING",
