@@ -53,11 +53,9 @@ class StatusReader:
 
     __slots__ = ("_keys", "_many", "blocks", "known", "pending")
 
-    def __init__(self, keys: Sequence[GroupKeys], manager: Any,
-                 blocks: Sequence[int] | None = None) -> None:
+    def __init__(self, keys: Sequence[GroupKeys], manager: Any, blocks: Sequence[int]) -> None:
         self._keys = keys
-        # Per group, the keys read per call (READ_BLOCK unless given).
-        self.blocks = list(blocks) if blocks is not None else [READ_BLOCK] * len(keys)
+        self.blocks = blocks  # per group, the keys read per call (READ_BLOCK, FULL_READ_BLOCK)
         many = getattr(manager, "lookup_many", None)
         self._many: Callable[[list[Key]], Sequence[Status]] = (
             many if many is not None else lambda ks: [manager.lookup(k) for k in ks])

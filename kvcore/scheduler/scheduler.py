@@ -438,9 +438,8 @@ class OffloadScheduler:
             req.hashes.extend(sr.new_hashes)
         if sr.resumed:
             req.clear_tables()
-        stamp = self._stamp
-        if stamp[0] != self._stale.step:
-            stamp[0] = self._stale.step  # one array per step, not one per request
+        stamp = self._stamp  # one array, restamped, not one built per request
+        stamp[0] = self._stale.step
         window = self._window_groups
         for group, ids in enumerate(sr.new_block_ids):
             if ids:
