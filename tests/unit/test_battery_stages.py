@@ -1,0 +1,76 @@
+"""The battery's simulation stages see what the engine's real configuration runs.
+
+Goal: each test patches one defect into kvcore and shows the stage names it. (1) A path
+the scheduler takes only with its own checks off (the no-chunk-completed fast path) is
+compared with the reference by the refinement stage's unchecked seeds (R1). (2) A
+failure while a run is being built is a named failure of the stage, not an exception
+that escapes the battery. (3) The shadow tier names a real tier that raises where the
+reference answers (M2), and compares ``lookup_many``, the scheduler's read path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvcore import _check
+from kvcore.manager import CPUOffloadManager
+from kvcore.presets import preset
+from kvcore.scheduler.scheduler import OffloadScheduler
+from kvcore.spec.errors import InvariantViolation
+from kvcore.spec.invariants import Violation
+from kvcore.spec.types import Status
+
+DEFAULT = "deepseek-v4-mtp"
+
+
+def stage(lockstep: bool = False, seeds: int = 2) -> _check.BatteryResult:
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), seeds, result, preset=DEFAULT, lockstep=lockstep)
+    return result
+
+
+def test_the_unchecked_fast_path_meets_the_lock_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``_chunk_completed`` always answers no, so with checks off nothing is ever
+    stored; with checks on the full path runs and hides it. Seed 1 runs unchecked."""
+    monkeypatch.setattr(OffloadScheduler, "_chunk_completed", lambda self, req, s: False)
+    result = stage(lockstep=True)
+    assert result.failure is not None and result.failure.ids == ["R1"], result.failure
+    assert result.failure.seed == "1"
+
+
+def test_a_failure_while_building_a_run_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the run breaks an invariant before its first step (as a lock step that
+    disagrees at ``add_request`` does); the stage reports it instead of raising."""
+    def broken(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise InvariantViolation([Violation("R1", "differs while the run is set up")])
+    monkeypatch.setattr(_check.Simulator, "__init__", broken)
+    result = stage()
+    assert result.failure is not None and result.failure.kind == "invariant"
+    assert result.failure.ids == ["R1"]
+
+
+def test_a_tier_that_raises_is_an_m2_divergence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the tier's ``prepare_store`` fails with a builtin error (an ARC ghost list
+    emptied by a wrong bound raised KeyError); the shadow names it M2."""
+    def empty(self: Any, keys: Any) -> Any:
+        raise KeyError("dictionary is empty")
+    monkeypatch.setattr(CPUOffloadManager, "prepare_store", empty)
+    result = stage()
+    assert result.failure is not None and "M2" in result.failure.ids, result.failure
+    assert "raised KeyError" in result.failure.message
+
+
+def test_lookup_many_is_compared_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``lookup_many`` answers MISS for a stored key (the scheduler's only read
+    path; the shadow used to pass it through unchecked). The shadow names it before the
+    scheduler acts on the answer."""
+    real = CPUOffloadManager.lookup_many
+
+    def forgetful(self: Any, keys: Any) -> list[Status]:
+        return [Status.MISS for _ in real(self, keys)]
+    monkeypatch.setattr(CPUOffloadManager, "lookup_many", forgetful)
+    result = stage()
+    assert result.failure is not None and result.failure.ids == ["M2"], result.failure
+    assert "lookup_many" in result.failure.message
