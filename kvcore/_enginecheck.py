@@ -715,6 +715,23 @@ def _carries(raised: BaseException, expect: Expect) -> str:
     return f"carries {'; '.join(wrong)}" if wrong else ""
 
 
+def _mixed_touch(config: OffloadConfig, checked: dict[str, int]) -> None:
+    """A ``touch`` naming keys of two groups refreshes each group's own LRU order (X2):
+    the scheduler touches one group per call, an engine driving the tier may not."""
+    mgr = CPUOffloadManager.for_config(config)
+    a0, b0, a1, b1 = (make_key(bytes([i]) * 8, g) for i, g in ((1, 0), (2, 0), (3, 1), (4, 1)))
+    for name, step in (("prepare_store", partial(mgr.prepare_store, [a0, b0, a1, b1])),
+                       ("complete_store", partial(mgr.complete_store, [a0, b0, a1, b1])),
+                       ("touch", partial(mgr.touch, [a0, a1]))):
+        _valid(f"CPUOffloadManager.{name} (keys of groups 0 and 1)", step, checked)
+    orders: list[tuple[Key, ...]] = [getattr(mgr.policy_of(g), "order", tuple)() for g in (0, 1)]
+    enforce([SetupRecord("CPUOffloadManager.touch of keys of two groups: each group's "
+                         "touched key becomes its most recent",
+                         None if orders == [(b0, a0), (b1, a1)]
+                         else f"LRU orders {[[k.hex()[:4] for k in o] for o in orders]}")],
+            checked)
+
+
 def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
     """The manager's calls with a key its state cannot take (A1).
 
@@ -767,6 +784,8 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
         ("lookup: an empty key", lambda: mgr.lookup(b""), BadKeyError, {}),
         ("lookup_many: an empty key", lambda: mgr.lookup_many([b""]), BadKeyError, {}),
     ]
+    if len(config.groups) > 1:
+        _mixed_touch(config, checked)
     # The shortest and the longest keys are keys: a lookup answers MISS, not an error.
     for edge in (b"k", bytes(MAX_KEY_BYTES)):
         for name, ask in (("lookup", partial(mgr.lookup, edge)),
