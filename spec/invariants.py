@@ -192,7 +192,8 @@ class FailureRecord:
 @dataclass(frozen=True)
 class SetupRecord:
     """A valid set-up call (a constructor, a registration, a read-back of the tier) and the
-    refusal it met, None if it was accepted (X2)."""
+    refusal it met, or how its result fails to honour the call; None if it was accepted
+    and honoured (X2)."""
 
     call: str
     refused: str | None
@@ -589,7 +590,8 @@ def x2_valid_setup_accepted(r: SetupRecord) -> list[Violation]:
     engine of that shape fails to start, or never reads its tier back.
     """
     if r.refused is not None:
-        return [Violation("X2", f"{r.call}: refused a valid call: {r.refused[:200]}",
+        return [Violation("X2", f"{r.call}: a valid call refused or not honoured: "
+                          f"{r.refused[:200]}",
                           {"call": r.call})]
     return []
 

@@ -338,7 +338,7 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
     (x2_valid_setup_accepted, X2_SETUP_OK, [
         Across("a valid engine refused", replace(
             X2_SETUP_OK, refused="TransferArgumentError: max_queued_jobs: 64 ..."),
-            "refused a valid call"),
+            "a valid call refused or not honoured"),
     ]),
     (b1_copy_library_refuses, B1_COPY_OK, [
         Across("a bad table accepted", replace(B1_COPY_OK, error=None), "accepted a table"),
