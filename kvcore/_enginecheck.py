@@ -664,6 +664,14 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     enforce([SetupRecord("CPUOffloadManager(7): every group's pool holds 7 slots",
                          None if sizes == [7] * len(sizes) else f"capacities {sizes}")],
             checked)
+    # A group no pool serves has no room: past the 64 groups a key can name (flat), past
+    # the config's groups (sized for it), or negative.
+    sized = CPUOffloadManager.for_config(config)
+    outside = [flat.capacity_of(64), flat.capacity_of(-1), sized.capacity_of(len(config.groups)),
+               sized.capacity_of(-1)]
+    enforce([SetupRecord("capacity_of a group no pool serves is 0",
+                         None if outside == [0, 0, 0, 0] else f"capacities {outside}")],
+            checked)
     _valid("OffloadScheduler", lambda: OffloadScheduler(config, flat, check=False), checked)
     return int(tier_bytes)
 
@@ -808,6 +816,14 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
         enforce([BadCallRecord(f"CPUOffloadManager.{name}", _name(raised),
                                isinstance(raised, KVCoreError), after != before, wrong)],
                 checked)
+    # A failed store names a READY key before its WRITING one: the READY key stays, the
+    # WRITING one leaves no trace (X1's tier half), whatever the order.
+    _valid("CPUOffloadManager.complete_store(success=False) of a READY and a WRITING key",
+           partial(mgr.complete_store, [ready, writing], False), checked)
+    states = [mgr.state_of(k) for k in (ready, writing)]
+    enforce([SetupRecord("a failed store drops its WRITING keys and keeps the READY ones",
+                         None if states == ["ready", None] else f"states {states}")],
+            checked)
 
 
 def _canary() -> None:

@@ -127,6 +127,33 @@ def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None
     sched.lookup("a", done, 4 * unit_tokens(cfg))
 
 
+def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfig) -> None:
+    """R1 and bounded memory: a request finishes while its prefill store is in flight and
+    the engine then resets its prefix cache. The reset drops the request (nothing of it
+    stays tracked), the workers' late report for the discarded job is ignored, and a new
+    request is served as by the reference, all in lock step with it."""
+    from kvcore.manager import CPUOffloadManager
+    from kvcore.sim._lockstep import paired
+    cfg = small(config)
+
+    def lockstepped(c: OffloadConfig, manager: Any, check: bool = True) -> Any:
+        return paired(factory(c, manager, check=check), c)
+    got = _prefill_with_store(lockstepped, cfg, CPUOffloadManager.for_config(cfg))
+    if got is None:
+        return
+    sched, _, plan = got
+    sched.request_finished("a")
+    sched.reset()
+    assert_true("a" not in sched.tracked_requests(),
+                "reset kept a finished request whose store it discarded: its state stays "
+                "tracked for good (memory bounded by what is live)")
+    sched.worker_output([WorkerReport(w, job.job_id) for job in plan.stores
+                         for w in range(cfg.num_workers)])
+    n = 4 * unit_tokens(cfg)
+    sched.add_request(RequestInfo("b", n, _hashes(n // cfg.hash_block_tokens)))
+    sched.lookup("b", 0, n)
+
+
 def store_during_load(factory: Factory, config: OffloadConfig) -> None:
     """J1 at job creation: a request whose load is in flight is given no store job.
 
@@ -329,6 +356,7 @@ def _other_request_loading(sched: OffloadScheduler, cfg: OffloadConfig,
 
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
+    reset_with_a_finished_request_storing,
     store_during_load,
     draft_reverified_after_shrink,
     stale_window_block_after_refused_store,

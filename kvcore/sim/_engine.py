@@ -255,8 +255,11 @@ class Simulator:
         self._free_out_of_window()
         self._schedule_running(scheduled, preempted, allocated)
         self._admit(scheduled, allocated, preempted)
+        # A request that got no block this step is sent with no block lists at all, as an
+        # engine whose step output has none for it does (both forms mean "nothing new").
         step = StepInput(tuple(ScheduledRequest(r.request_id, n, r.computed, len(r.tokens),
-                                                ids, resumed=r.resumed)
+                                                ids if any(ids) or r.resumed else (),
+                                                resumed=r.resumed)
                                for r, n, ids in scheduled),
                          tuple(preempted), frozenset(allocated))
         for r, _, _ in scheduled:
