@@ -112,6 +112,15 @@ def _prefill_with_store(factory: Factory, cfg: OffloadConfig, manager: Any
     return sched, 3 * unit, plan
 
 
+def _lockstepped(factory: Factory) -> Factory:
+    """``factory``'s scheduler in lock step with the reference (R1 on every hook)."""
+    from kvcore.sim._lockstep import paired
+
+    def make(cfg: OffloadConfig, manager: Any, check: bool = True) -> Any:
+        return paired(factory(cfg, manager, check=check), cfg)
+    return make  # type: ignore[return-value]
+
+
 def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None:
     """J1: a preempted request asks again while its store is in flight.
 
@@ -119,10 +128,12 @@ def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None
     only the job table can say "wait".
     """
     cfg = small(config)
-    got = _prefill_with_store(factory, cfg, ShadowedManager(cpu_capacities(cfg)))
+    got = _prefill_with_store(_lockstepped(factory), cfg, ShadowedManager(cpu_capacities(cfg)))
     if got is None:
         return
     sched, done, _ = got
+    # In lock step: the preemption's plan must flush the store still reading its blocks,
+    # as the reference's does (R1), before the lookup is told to wait.
     sched.build_step(StepInput(preempted=("a",)))
     sched.lookup("a", done, 4 * unit_tokens(cfg))
 
@@ -133,12 +144,8 @@ def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfi
     stays tracked), the workers' late report for the discarded job is ignored, and a new
     request is served as by the reference, all in lock step with it."""
     from kvcore.manager import CPUOffloadManager
-    from kvcore.sim._lockstep import paired
     cfg = small(config)
-
-    def lockstepped(c: OffloadConfig, manager: Any, check: bool = True) -> Any:
-        return paired(factory(c, manager, check=check), c)
-    got = _prefill_with_store(lockstepped, cfg, CPUOffloadManager.for_config(cfg))
+    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
     if got is None:
         return
     sched, _, plan = got

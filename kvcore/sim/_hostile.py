@@ -44,6 +44,7 @@ class Hostile:
         self.used: dict[str, int] = {}
         # Twins whose one bad block id is known (``_id_twin``): name -> that id.
         self.bad_ids: dict[str, int] = {}
+        self.bad_arguments: dict[str, str] = {}  # twin name -> the argument its error names
         cfg = impl.config
         self.top = cfg.num_gpu_blocks
         self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
@@ -76,10 +77,14 @@ class Hostile:
                                isinstance(raised, KVCoreError), changed,
                                self._says(name, raised))], self.counts)
 
-    def _id_twin(self, name: str, bad_id: int, call: Callable[[], object]) -> Twin:
+    def _id_twin(self, name: str, bad_id: int, call: Callable[[], object],
+                 argument: str = "") -> Twin:
         """A twin whose one fault is the block id ``bad_id`` (the null block or the pool's
-        size): its error must name that id and the range it breaks."""
+        size): its error must name that id and the range it breaks, and where the fault
+        sits in one request's tables, an argument starting with ``argument``."""
         self.bad_ids[name] = bad_id
+        if argument:
+            self.bad_arguments[name] = argument
         return name, call
 
     def _says(self, name: str, raised: BaseException | None) -> str:
@@ -94,6 +99,9 @@ class Hostile:
         if raised.value != value or bound not in raised.bound:
             return (f"says {raised.argument}={raised.value!r} outside {raised.bound!r}; "
                     f"the bad id is {value}, the range {bound}")
+        argument = self.bad_arguments.get(name, "")
+        if not str(raised.argument).startswith(argument):
+            return f"names {raised.argument!r}; the bad id is in {argument}..."
         return ""
 
     def _tables(self, tables: Any, group: int, value: object) -> tuple[tuple[Any, ...], ...]:
@@ -198,7 +206,8 @@ class Hostile:
                 twins.append(self._id_twin("build_step: new id past the pool", self.top,
                                            lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=self._tables(
-                        ids, g, self.top)), *reqs[1:])))))
+                        ids, g, self.top)), *reqs[1:]))),
+                    f"{first.request_id}.new_block_ids[{g}]"))
                 twins.append(("build_step: tables for one group too many", lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=(*ids, ids[g])),
                                             *reqs[1:])))))
