@@ -446,6 +446,17 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
     wrong = _mismatch(raised, {"code": Status.E_STORAGE, "group": g})
     enforce([BadCallRecord("validate: a pool freed in place", _name(raised),
                            isinstance(raised, KVCoreError), False, wrong)], bench.checked)
+    # Through submit the same plan ends as a failed job that moved nothing and says what
+    # validate said.
+    _valid("submit: a plan on a freed pool", partial(bench.engine.submit,
+                                                       replace(plan, groups=only_g)),
+           bench.checked)
+    result = bench._finished(plan.job_id)
+    why = ("succeeded" if result.success else f"moved {result.bytes} bytes" if result.bytes
+           else f"says {result.error!r}, validate {raised!s:.80}"
+           if raised is not None and result.error != str(raised) else "")
+    enforce([BadCallRecord("submit: a pool freed in place", None if result.success
+                           else "a failed job", True, False, why)], bench.checked)
     if len(bench.gpu) > 1:
         # The freed pool is group g's alone: a plan that leaves group g out is still valid.
         others = tuple(GroupTransfer() if h == g else gt for h, gt in enumerate(plan.groups))
@@ -563,6 +574,10 @@ def _object_twins(config: OffloadConfig) -> list[tuple[str, Call, tuple[str, ...
         ("OffloadScheduler: a dict config", lambda: OffloadScheduler({}, manager()),  # type: ignore[arg-type]
          ("config",)),
         ("OffloadScheduler: no manager", lambda: OffloadScheduler(config, None), ("manager",)),
+        ("OffloadScheduler.job_in_flight: job -1",
+         lambda: OffloadScheduler(config, manager()).job_in_flight(-1), ("job_id",)),
+        ("OffloadScheduler.job_in_flight: a bool job",
+         lambda: OffloadScheduler(config, manager()).job_in_flight(True), ("job_id",)),
         ("OffloadScheduler: check='no'", lambda: OffloadScheduler(config, manager(),
                                                                    check="no"),  # type: ignore[arg-type]
          ("check",)),
@@ -794,6 +809,14 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
     ]
     if len(config.groups) > 1:
         _mixed_touch(config, checked)
+    # The first store into an empty pool may fill it exactly: 3 keys into 3 slots.
+    small = CPUOffloadManager([3] * len(config.groups))
+    fill = [make_key(bytes([9, i]) * 4, 0) for i in range(3)]
+    out = _valid("CPUOffloadManager([3, ...]).prepare_store of 3 keys of group 0",
+                 partial(small.prepare_store, fill), checked)
+    enforce([SetupRecord("a first store of exactly a pool's capacity is accepted whole",
+                         None if out is not None and list(out.keys_to_store) == fill
+                         and sorted(out.slots) == [0, 1, 2] else f"answered {out}")], checked)
     # The shortest and the longest keys are keys: a lookup answers MISS, not an error.
     for edge in (b"k", bytes(MAX_KEY_BYTES)):
         for name, ask in (("lookup", partial(mgr.lookup, edge)),
