@@ -19,8 +19,9 @@ stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of
 128K prompt whose prefix is in the tier: keys derived inside the timed span) and the warm
 one (a second lookup of the same request), with the hit it answered. The workers report
 every job before the probes, so the probe's prefix is READY: a probe while its stores are
-in flight answers PENDING, a deferral, which is not the cost of a lookup. Memory: RSS growth over the set-up divided by
-the hash blocks tracked; only the first configuration's figure (the SUMMARY's) is clean.
+in flight answers PENDING, a deferral, which is not the cost of a lookup. Memory: RSS
+growth over the set-up divided by the hash blocks tracked; only the first configuration's
+figure (the SUMMARY's) is clean.
 
 vLLM: when ``vllm`` is importable (``--no-vllm`` skips it), the same workload also runs
 through vLLM's own ``OffloadingConnectorScheduler`` (``benchmarks/_vllm_baseline.py``), in
