@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvcore.scheduler._lookup import converge
+from kvcore.scheduler._lookup import converge, read_blocks
 from kvcore.scheduler.scheduler import OffloadScheduler
 from kvcore.spec.invariants import (
     LookupRecord,
@@ -166,7 +166,7 @@ def _pending(layout: int, num_tokens: int, bits: list[bool], pending: list[bool]
     n = pick(num_tokens, L2_N_MAX + 1)
     maps = hit_maps(cfg, n, bits, PER_GROUP, pending=pending)
     keys = [[(g, i) for i in range(len(maps[g]))] for g in range(len(cfg.groups))]
-    fake = SimpleNamespace(config=cfg, manager=_Manager(maps),
+    fake = SimpleNamespace(config=cfg, manager=_Manager(maps), _read_blocks=read_blocks(cfg),
                            _jobs=SimpleNamespace(loading={}))
     fake._being_loaded = lambda req, c, hit: OffloadScheduler._being_loaded(
         fake, req, c, hit)  # type: ignore[arg-type]

@@ -41,6 +41,12 @@ READ_BLOCK = 64
 FULL_READ_BLOCK = 512
 
 
+def read_blocks(cfg: OffloadConfig) -> tuple[int, ...]:
+    """Per group, the keys one tier call reads (``StatusReader``'s block sizes)."""
+    return tuple(FULL_READ_BLOCK if g.kind is GroupKind.FULL else READ_BLOCK
+                 for g in cfg.groups)
+
+
 class StatusReader:
     """One lookup's view of the tier: each key's status, read in blocks and kept.
 

@@ -19,14 +19,13 @@ from typing import Any
 from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import (
-    FULL_READ_BLOCK,
-    READ_BLOCK,
     Convergence,
     HitTest,
     Smaller,
     StatusReader,
     converge,
     reach_chunks,
+    read_blocks,
 )
 from kvcore.scheduler._rules import load_plan, needed_chunks, served_chunks, storable_prefix
 from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
@@ -115,8 +114,7 @@ class OffloadScheduler:
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
         self._chunk_tokens = tuple(g.tokens_per_chunk for g in config.groups)
         self._stamp = array("q", (0,))  # the step a window position is placed at
-        self._read_blocks = tuple(FULL_READ_BLOCK if g.kind is GroupKind.FULL else READ_BLOCK
-                                  for g in config.groups)
+        self._read_blocks = read_blocks(config)
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
