@@ -676,8 +676,10 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
                              else f"policies {names}")], checked)
     flat = _valid("CPUOffloadManager(7)", lambda: CPUOffloadManager(7), checked)
     sizes = [flat.capacity_of(g) for g in range(len(config.groups))]
-    enforce([SetupRecord("CPUOffloadManager(7): every group's pool holds 7 slots",
-                         None if sizes == [7] * len(sizes) else f"capacities {sizes}")],
+    enforce([SetupRecord("CPUOffloadManager(7): every group's pool holds 7 slots, and "
+                         "before any store its stats report group 0's 7",
+                         None if sizes == [7] * len(sizes) and flat.stats().capacity == 7
+                         else f"capacities {sizes}, stats {flat.stats().capacity}")],
             checked)
     # A group no pool serves has no room: past the 64 groups a key can name (flat), past
     # the config's groups (sized for it), or negative.
