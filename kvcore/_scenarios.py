@@ -140,9 +140,10 @@ def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None
 
 def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfig) -> None:
     """R1 and bounded memory: a request finishes while its prefill store is in flight and
-    the engine then resets its prefix cache. The reset drops the request (nothing of it
-    stays tracked), the workers' late report for the discarded job is ignored, and a new
-    request is served as by the reference, all in lock step with it."""
+    the engine then resets its prefix cache. The reset drops the request (the lock step
+    compares the tracked requests after every hook, so one kept for good is named), the
+    workers' late report for the discarded job is ignored, and a new request is served
+    as by the reference."""
     from kvcore.manager import CPUOffloadManager
     cfg = small(config)
     got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
@@ -151,9 +152,6 @@ def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfi
     sched, _, plan = got
     sched.request_finished("a")
     sched.reset()
-    assert_true("a" not in sched.tracked_requests(),
-                "reset kept a finished request whose store it discarded: its state stays "
-                "tracked for good (memory bounded by what is live)")
     sched.worker_output([WorkerReport(w, job.job_id) for job in plan.stores
                          for w in range(cfg.num_workers)])
     n = 4 * unit_tokens(cfg)

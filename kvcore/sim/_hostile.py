@@ -42,9 +42,9 @@ class Hostile:
         self.rate = rate
         self.left = limit
         self.used: dict[str, int] = {}
-        # Twins whose one bad block id is known (``_id_twin``): name -> that id.
-        self.bad_ids: dict[str, int] = {}
-        self.bad_arguments: dict[str, str] = {}  # twin name -> the argument its error names
+        # Twins whose one bad block id is known (``_id_twin``): name -> (that id, the
+        # start of the argument its error must name, "" when any).
+        self.bad_ids: dict[str, tuple[int, str]] = {}
         cfg = impl.config
         self.top = cfg.num_gpu_blocks
         self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
@@ -82,24 +82,22 @@ class Hostile:
         """A twin whose one fault is the block id ``bad_id`` (the null block or the pool's
         size): its error must name that id and the range it breaks, and where the fault
         sits in one request's tables, an argument starting with ``argument``."""
-        self.bad_ids[name] = bad_id
-        if argument:
-            self.bad_arguments[name] = argument
+        self.bad_ids[name] = (bad_id, argument)
         return name, call
 
     def _says(self, name: str, raised: BaseException | None) -> str:
         """What a refused block id's error gets wrong ("" if right): the id it names and
         the range it gives, 1..num_gpu_blocks-1 (0..num_gpu_blocks-1 past the pool)."""
-        value = self.bad_ids.get(name)
-        if value is None or raised is None:
+        known = self.bad_ids.get(name)
+        if known is None or raised is None:
             return ""
+        value, argument = known
         if not isinstance(raised, BlockIdError):
             return f"raised {type(raised).__name__}; a bad block id is a BlockIdError"
         bound = f"1..{self.top - 1}" if value == 0 else f"..{self.top - 1}"
         if raised.value != value or bound not in raised.bound:
             return (f"says {raised.argument}={raised.value!r} outside {raised.bound!r}; "
                     f"the bad id is {value}, the range {bound}")
-        argument = self.bad_arguments.get(name, "")
         if not str(raised.argument).startswith(argument):
             return f"names {raised.argument!r}; the bad id is in {argument}..."
         return ""
