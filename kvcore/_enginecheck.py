@@ -27,6 +27,7 @@ Bounded: ``cases`` plans on pools of at most a few KiB per tensor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import threading
@@ -43,6 +44,7 @@ from kvcore.scheduler._checks import enforce
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import (
     BadKeyError,
+    ConfigError,
     InvariantViolation,
     KeyGroupError,
     KeyNotReadyError,
@@ -57,6 +59,7 @@ from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_po
 from kvcore.spec.types import Key, OffloadConfig, make_key
 from kvcore.spec.types import Status as KeyStatus
 from kvcore.transfer import TransferEngine, TransferResult, cpu_capacity
+from kvcore.transfer._results import MAX_IN_FLIGHT
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
 CPU_SLOTS = 6
@@ -296,11 +299,11 @@ class _Bench:
     checked: dict[str, int]
 
     @classmethod
-    def open(cls, cfg: OffloadConfig, rng: random.Random,
-             checked: dict[str, int]) -> _Bench:
+    def open(cls, cfg: OffloadConfig, rng: random.Random, checked: dict[str, int],
+             stream: int | None = None) -> _Bench:
         gpu = _tensors(cfg, rng)
-        engine = _valid("TransferEngine: the stage's pools", lambda: TransferEngine(cfg, gpu),
-                        checked)
+        engine = _valid("TransferEngine: the stage's pools",
+                        lambda: TransferEngine(cfg, gpu, simulate_stream=stream), checked)
         for g, ts in enumerate(gpu):
             for k in range(len(ts)):
                 cpu = _valid(f"cpu_tensor({g}, {k})", partial(engine.cpu_tensor, g, k),
@@ -313,15 +316,19 @@ class _Bench:
                                                   range(len(cfg.groups))),
                    tuple(g.blocks_per_chunk for g in cfg.groups), checked)
 
-    def run(self, plan: TransferPlan) -> None:
-        """A valid plan: carried out whole, and every pool equals the model after (X2)."""
-        planned = self.model.apply(plan, self.bpc)
-        _valid(f"submit: valid plan {plan.job_id}", partial(self.engine.submit, plan),
-               self.checked)
-        result = self._finished(plan.job_id)
+    def run(self, *plans: TransferPlan) -> None:
+        """Valid plans, all submitted before any is waited for: each carried out whole,
+        and every pool equals the model after them, applied in submission order (X2)."""
+        if not plans:
+            return
+        planned = [self.model.apply(plan, self.bpc) for plan in plans]
+        for plan in plans:
+            _valid(f"submit: valid plan {plan.job_id}", partial(self.engine.submit, plan),
+                   self.checked)
+        results = self._finished(*(plan.job_id for plan in plans))
         wrong = self.model.differs(self.engine, self.gpu)
-        enforce([TransferOutcomeRecord(plan.job_id, planned, result.success, result.bytes,
-                                       result.error, wrong)], self.checked)
+        enforce([TransferOutcomeRecord(plan.job_id, n, r.success, r.bytes, r.error, wrong)
+                 for plan, n, r in zip(plans, planned, results, strict=True)], self.checked)
 
     def bounce(self, name: str, twin: object, expect: Expect, job: int) -> None:
         """One bad twin through ``validate`` and then ``submit`` (A1)."""
@@ -339,15 +346,19 @@ class _Bench:
             self.record(f"submit: {name}", _name(exc), isinstance(exc, KVCoreError),
                          _mismatch(exc, expect))
             return
-        result = self._finished(job)
+        (result,) = self._finished(job)
         self.record(f"submit: {name}", None if result.success else "a failed job", True,
                     _failed_job(result, refusal))
 
-    def _finished(self, job: int) -> TransferResult:
-        """Job ``job``'s result, once it finished (taken off the engine's poll queue)."""
-        (result,) = [r for r in self.engine.wait([job]) if r.job_id == job]
+    def _finished(self, *jobs: int) -> list[TransferResult]:
+        """The jobs' results once all have finished, in the order asked (taken off the
+        engine's poll queue); a job reported no result, or twice, as a failed one."""
+        done = [r for r in self.engine.wait(jobs) if r.job_id in jobs]
         self.engine.poll()
-        return result
+        by_job = {r.job_id: r for r in done}
+        return [by_job[j] if sum(r.job_id == j for r in done) == 1
+                else TransferResult(j, False, 0, 0.0, f"{sum(r.job_id == j for r in done)} "
+                                    "results reported") for j in jobs]
 
     def record(self, call: str, raised: str | None, kvcore_error: bool,
                mismatch: str) -> None:
@@ -359,27 +370,39 @@ class _Bench:
 def run_transfer_engine(config: OffloadConfig, cases: int, checked: dict[str, int],
                         seed: int = 0) -> None:
     """The "transfer engine" stage: ``cases`` valid plans, bad twins between them, and a
-    freed pool with bad and good rebinds every 40 plans; half on the user's chunk sizes,
-    half with two blocks for each of the user's blocks per chunk (so stores start
-    mid-chunk)."""
-    for widen in (1, 2):
-        _engine_pass(_layout(config, widen), cases // 2, checked, f"{seed}:{widen}")
+    freed pool with bad and good rebinds every 40 plans. Three passes: on the user's chunk
+    sizes; with two blocks for each of the user's blocks per chunk (so stores start
+    mid-chunk); and on the stand-in stream (``simulate_stream``), with plans submitted
+    in bursts of up to ``MAX_IN_FLIGHT + 3`` before they are waited for, so that jobs
+    queue behind events, retire in order and land late."""
+    for widen, stream, share in ((1, False, 3), (2, False, 3), (1, True, 2)):
+        _engine_pass(_layout(config, widen), cases * share // 8, checked,
+                     f"{seed}:{widen}{':stream' if stream else ''}", stream)
 
 
-def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: str) -> None:
+def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: str,
+                 stream: bool = False) -> None:
     rng = random.Random(f"engine:{seed}")
-    bench = _Bench.open(cfg, rng, checked)
+    bench = _Bench.open(cfg, rng, checked, rng.randrange(1 << 64) if stream else None)
     tensors = tuple(len(ts) for ts in bench.gpu)
+    burst: list[TransferPlan] = []
+    size = 1
     try:
         for job in range(1, cases + 1):
             plan = _valid_plan(rng, job, bench.config, bench.caps)
             if rng.random() < 0.5:  # every fault of this plan, one at a time
+                bench.run(*burst)  # bad twins are judged against settled pools
+                burst.clear()
                 for name, twin, expect in _faults(plan, bench.config, bench.caps, tensors,
                                                   rng):
                     bench.bounce(name, twin, expect, job)
             if job == cases:  # the documented largest job id, 2**63 - 1, is a valid one
                 plan = replace(plan, job_id=(1 << 63) - 1)
-            bench.run(plan)
+            burst.append(plan)
+            if len(burst) >= size or job == cases or job % 40 == 0:
+                bench.run(*burst)
+                burst.clear()
+                size = rng.randint(1, MAX_IN_FLIGHT + 3) if stream else 1
             if job % 40 == 0:
                 _rebinds(bench, rng, cases + job)
         _read_back(bench)
@@ -458,7 +481,7 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
     _valid("submit: a plan on a freed pool", partial(bench.engine.submit,
                                                        replace(plan, groups=only_g)),
            bench.checked)
-    result = bench._finished(plan.job_id)
+    (result,) = bench._finished(plan.job_id)
     why = _failed_job(result, None if raised is None else str(raised))
     enforce([BadCallRecord("submit: a pool freed in place", None if result.success
                            else "a failed job", True, False, why)], bench.checked)
@@ -589,6 +612,11 @@ def _object_twins(config: OffloadConfig) -> list[tuple[str, Call, tuple[str, ...
     ]
 
 
+def _overlapping(blocks: int) -> torch.Tensor:
+    """A pool of 16-byte rows 8 bytes apart: each row shares half its bytes with the next."""
+    return torch.zeros(blocks * 8 + 8, dtype=torch.uint8).as_strided((blocks, 16), (8, 1))
+
+
 def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes: int
                   ) -> list[tuple[str, Call, tuple[str, ...]]]:
     """``TransferEngine`` built with one option, tensor or CPU buffer wrong."""
@@ -617,6 +645,8 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
         ("max_queued_jobs past the limit", engine(max_queued_jobs=(1 << 20) + 1),
          ("max_queued_jobs",)),
         ("max_queued_jobs=True", engine(max_queued_jobs=True), ("max_queued_jobs",)),
+        ("simulate_stream=-1", engine(simulate_stream=-1), ("simulate_stream",)),
+        ("simulate_stream=True", engine(simulate_stream=True), ("simulate_stream",)),
         ("a group without tensors", engine([[] if h == g else ts for h, ts in enumerate(gpu)]),
          (f"gpu_tensors[{g}]",)),
         ("a list for a tensor", engine(with_tensor([[0] * 16] * n)), (where,)),
@@ -628,7 +658,16 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
         ("storage shrunk under a view", engine(with_tensor(behind)), (where,)),
         ("one tensor registered twice", engine(shared),
          (f"gpu_tensors[{g}][0]", f"gpu_tensors[{g}][1]", "gpu_tensors[0][0]")),
+        ("rows overlap", engine(with_tensor(_overlapping(n))), (where,)),
     ]
+    # Rows can overlap from two blocks on: the smallest pool where the check applies.
+    small = [[_overlapping(2) if (h, k) == (g, 0) else torch.zeros((2, 16), dtype=torch.uint8)
+              for k in range(len(ts))] for h, ts in enumerate(gpu)]
+    with contextlib.suppress(ConfigError):  # a layout that cannot have a 2-block pool
+        two = replace(cfg, num_gpu_blocks=2)
+        out.append(("rows overlap in a 2-block pool",
+                    lambda: TransferEngine(two, small),  # type: ignore[arg-type]
+                    (where,)))
     buffers: list[tuple[str, object, dict[str, object]]] = [
         ("a list of buffers one short", [torch.empty(1, dtype=torch.uint8)] * g, {}),
         ("a byte too few", torch.empty(tier_bytes - 1, dtype=torch.uint8), {}),

@@ -31,6 +31,7 @@ from ._memory import _bad, _check_disjoint, _Registered
 from ._plans import _Job, _kv_error, check_plan, prepare_plan, short_repr
 from ._results import MAX_IN_FLIGHT, TransferResult, _failed, _Flight
 from ._setup import MAX_QUEUED_JOBS, _check_options
+from ._stream import SimulatedStream
 
 
 class TransferEngine:
@@ -57,15 +58,26 @@ class TransferEngine:
     Thread use: ``submit``/``poll``/``wait``/``drain``/``close`` may be called from any
     thread; one worker thread executes jobs in submission order (on CUDA, up to
     ``MAX_IN_FLIGHT`` of them queued on its stream at once).
+
+    ``simulate_stream`` (a seed; CPU tensors only) runs the CUDA path's asynchronous flight
+    without a GPU: jobs are enqueued on a seeded stand-in stream that copies later, in
+    stream order, and each is reported when its event has passed (``SimulatedStream``).
+    ``kvcore check`` and the simulator use it so that the event path, and a result
+    reported before its bytes land, are checked on every machine; engines leave it None.
     """
 
     def __init__(self, config: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
                  *, pin_memory: bool | None = None, cuda_method: str = "auto",
                  max_queued_jobs: int = MAX_QUEUED_JOBS,
-                 cpu_buffer: torch.Tensor | Sequence[torch.Tensor] | None = None) -> None:
-        _check_options(config, gpu_tensors, pin_memory, cuda_method, max_queued_jobs)
+                 cpu_buffer: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                 simulate_stream: int | None = None) -> None:
+        _check_options(config, gpu_tensors, pin_memory, cuda_method, max_queued_jobs,
+                       simulate_stream)
         self.config = config
         self.device = _setup.common_device(gpu_tensors)
+        if simulate_stream is not None and self.device.type != "cpu":
+            raise _bad("simulate_stream", f"is for CPU tensors; these are on {self.device}, "
+                                          "where the real stream runs: pass None")
         if pin_memory is None:
             pin_memory = self.device.type == "cuda"
         self._capacities = _setup.tier_capacities(config)
@@ -75,10 +87,12 @@ class TransferEngine:
         self._groups, regions = _setup.register(config, self.device, gpu_pools,
                                                 self._capacities, self._buffers)
         self._regions = RegionTable(regions)
-        self._cuda: _cuda.CudaCopier | None = None
+        self._cuda: _cuda.CudaCopier | SimulatedStream | None = None
         self._method = _cuda.METHODS[cuda_method]
         if self.device.type == "cuda":
             self._open_cuda()
+        elif simulate_stream is not None:
+            self._open_stream(SimulatedStream(simulate_stream), 0)
         self._cond = threading.Condition()
         self._pending: set[int] = set()
         self._done: list[TransferResult] = []
@@ -136,10 +150,15 @@ class TransferEngine:
     def _open_cuda(self) -> None:
         index = self.device.index if self.device.index is not None else \
             torch.cuda.current_device()
-        self._cuda = _cuda.CudaCopier(index)
+        copier = _cuda.CudaCopier(index)
         self._torch_stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        self._stream = int(self._torch_stream.cuda_stream)
-        self._free_events = [self._cuda.event_create() for _ in range(MAX_IN_FLIGHT)]
+        self._open_stream(copier, int(self._torch_stream.cuda_stream))
+
+    def _open_stream(self, copier: _cuda.CudaCopier | SimulatedStream, stream: int) -> None:
+        """The asynchronous path: jobs enqueued on ``stream``, each retired by its event."""
+        self._cuda = copier
+        self._stream = stream
+        self._free_events = [copier.event_create() for _ in range(MAX_IN_FLIGHT)]
         self._events = tuple(self._free_events)
 
     # -- plans -----------------------------------------------------------------------------
@@ -316,7 +335,7 @@ class TransferEngine:
         return _Flight(plan.job_id, job.nbytes, start, None, TransferResult(
             plan.job_id, True, job.nbytes, time.perf_counter() - start))
 
-    def _gpu(self) -> _cuda.CudaCopier:
+    def _gpu(self) -> _cuda.CudaCopier | SimulatedStream:
         if self._cuda is None:
             raise RuntimeError("this TransferEngine has no CUDA copier")
         return self._cuda

@@ -34,7 +34,8 @@ def cpu_capacity(config: OffloadConfig, group: int) -> int:
 
 
 def _check_options(config: object, gpu_tensors: object, pin_memory: object,
-                   cuda_method: object, max_queued_jobs: object) -> None:
+                   cuda_method: object, max_queued_jobs: object,
+                   simulate_stream: object = None) -> None:
     """The constructor's arguments other than the tensors themselves: types and ranges."""
     if not isinstance(config, OffloadConfig):
         raise _bad("config", f"must be an OffloadConfig, not {type(config).__name__}")
@@ -53,6 +54,11 @@ def _check_options(config: object, gpu_tensors: object, pin_memory: object,
             or not 1 <= max_queued_jobs <= MAX_QUEUED_JOBS_LIMIT:
         raise _bad("max_queued_jobs", f"{max_queued_jobs!r} must be an int in "
                                       f"1..{MAX_QUEUED_JOBS_LIMIT}")
+    if simulate_stream is not None and (isinstance(simulate_stream, bool)
+                                        or not isinstance(simulate_stream, int)
+                                        or not 0 <= simulate_stream < 1 << 64):
+        raise _bad("simulate_stream", f"{simulate_stream!r} must be None or a seed, an int "
+                                      "in 0..2**64-1")
 
 
 

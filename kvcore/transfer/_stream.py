@@ -1,0 +1,119 @@
+"""A seeded stand-in for the CUDA stream, so the engine's asynchronous path runs on CPU.
+
+On CUDA the worker enqueues a job, records an event behind it and goes on; the job is
+reported only when its event has completed, up to ``MAX_IN_FLIGHT`` jobs later. On a
+machine without a GPU that path (the flight of events, their reuse, the order jobs
+retire in) would never run, and the C path copies before ``submit``'s job is even
+reported, so a result reported before its bytes land could not be seen. ``SimulatedStream``
+has ``CudaCopier``'s interface over CPU tensors: ``copy`` validates at once, as the CUDA
+library does before enqueueing, and queues the copy; the queue runs in stream order when
+an event behind it is waited for, and a seeded number of steps further at each query, as
+a GPU progressing on its own would. An event that is unknown or destroyed raises, as the
+driver's error would; so does one recorded again while pending, which the driver allows
+but which would report the earlier job when the later one's copy is done.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvcore import _native
+from kvcore._native import DescriptorTable, RegionTable
+
+# Events one stand-in stream may hold; the engine uses MAX_IN_FLIGHT of them.
+MAX_EVENTS = 64
+
+
+class StreamMisuse(RuntimeError):
+    """The engine used an event as the CUDA driver would refuse (or silently get wrong)."""
+
+
+class SimulatedStream:
+    """One stream of deferred CPU copies and the events recorded on it (one thread)."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(f"stream:{seed}")
+        self._ops: deque[tuple[int, Callable[[], None] | None]] = deque()  # (event, copy)
+        self._live: set[int] = set()
+        self._pending: set[int] = set()  # recorded, not yet passed
+        # A deferred copy's failure waits for the next event recorded behind it, and is
+        # raised by the first query or wait that finds that event passed (later copies
+        # still run: a stand-in, not a sticky CUDA context).
+        self._error: Exception | None = None
+        self._failed: dict[int, Exception] = {}
+        self._next_event = 1
+
+    def copy(self, regions: RegionTable, descs: DescriptorTable, stream: int, *,
+             method: int = 0, kernel_ctas: int = 0, **funnel: Any) -> None:
+        """Validate now (KVCopyError, nothing queued); copy when the stream gets there."""
+        _native.validate(regions, descs, **funnel)
+        self._ops.append((0, lambda: _native.copy(regions, descs, **funnel)))
+
+    def event_create(self) -> int:
+        if len(self._live) >= MAX_EVENTS:
+            raise StreamMisuse(f"more than {MAX_EVENTS} events alive")
+        event, self._next_event = self._next_event, self._next_event + 1
+        self._live.add(event)
+        return event
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._known(event, "recording")
+        if event in self._pending:
+            raise StreamMisuse(f"event {event} recorded again before it completed: the "
+                               "earlier job would be reported by the later one's copy")
+        self._pending.add(event)
+        self._ops.append((event, None))
+
+    def event_done(self, event: int) -> bool:
+        """Non-blocking; the stream first runs a seeded number of its queued steps."""
+        self._known(event, "querying")
+        self._run(self._rng.randrange(len(self._ops) + 1))
+        return self._passed(event)
+
+    def event_synchronize(self, event: int) -> None:
+        self._known(event, "waiting for")
+        while event in self._pending:
+            self._run(1)
+        self._passed(event)
+
+    def event_destroy(self, event: int) -> None:
+        """As ``cuEventDestroy``: allowed while recorded work is pending (the event goes
+        when that work is done)."""
+        self._known(event, "destroying")
+        self._live.discard(event)
+
+    def close(self) -> None:
+        self._run(len(self._ops))
+
+    def live_events(self) -> int:
+        """Events created and not destroyed (0 once the engine has closed)."""
+        return len(self._live)
+
+    def _known(self, event: int, doing: str) -> None:
+        if event not in self._live:
+            raise StreamMisuse(f"{doing} event {event}, which is not alive")
+
+    def _run(self, steps: int) -> None:
+        for _ in range(min(steps, len(self._ops))):
+            event, copy = self._ops.popleft()
+            if copy is not None:
+                try:
+                    copy()
+                except Exception as exc:  # surfaces at the event behind it, as on CUDA
+                    self._error = self._error or exc
+            else:
+                self._pending.discard(event)
+                if self._error is not None:
+                    self._failed[event], self._error = self._error, None
+
+    def _passed(self, event: int) -> bool:
+        """Whether the stream is past ``event``; a deferred copy's failure raises here."""
+        if event in self._pending:
+            return False
+        error = self._failed.pop(event, None)
+        if error is not None:
+            raise error
+        return True

@@ -1,0 +1,111 @@
+"""The transfer engine's asynchronous path on CPU, through its stand-in stream.
+
+Goal: with ``simulate_stream`` the engine runs the code CUDA runs (jobs enqueued behind
+events, up to ``MAX_IN_FLIGHT`` at once, retired in order when their events pass), copies
+land late, and a worker that reports a job before its copy has landed, or hands one
+event to two jobs, is caught under X2 by the "transfer engine" stage and by the
+simulator. Each test names the defect it kills.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvcore import _enginecheck
+from kvcore.presets import preset
+from kvcore.sim import SimOptions, Simulator
+from kvcore.spec.errors import InvariantViolation, TransferArgumentError
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
+from kvcore.transfer import TransferEngine, _engine, _stream
+from kvcore.transfer._results import MAX_IN_FLIGHT
+
+DEFAULT = "deepseek-v4-mtp"
+
+
+def _store(job: int, block: int, slot: int, groups: int) -> TransferPlan:
+    return TransferPlan(job, JobKind.STORE, "r", tuple(
+        GroupTransfer((block,), 0, (slot,), (b"k%d" % job,)) if g == 0 else GroupTransfer()
+        for g in range(groups)))
+
+
+def test_copies_land_only_when_their_event_is_waited_for() -> None:
+    """The stand-in defers: a queued copy has not run until the event behind it passed."""
+    cfg = preset(DEFAULT)
+    gpu = [[torch.full((cfg.num_gpu_blocks, 8), g + 1, dtype=torch.uint8)] for g in
+           range(len(cfg.groups))]
+    with TransferEngine(cfg, gpu, simulate_stream=3) as engine:
+        stream = engine._cuda
+        assert isinstance(stream, _stream.SimulatedStream)
+        engine.submit(_store(1, 5, 0, len(cfg.groups)))
+        (result,) = engine.wait([1])
+        assert result.success and result.bytes == 8
+        assert engine.read_cpu_chunk(0, 0, 0) == bytes([1] * 8)
+    assert stream.live_events() == 0  # close destroyed every event
+
+
+def test_jobs_fly_together_and_retire_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bursts put several jobs behind events at once (the flight CUDA has), and they are
+    reported in submission order; the plain C path never has more than one."""
+    most = [0]
+    done = _stream.SimulatedStream.event_done
+
+    def counting(self: Any, event: int) -> bool:
+        most[0] = max(most[0], len(self._pending))
+        return done(self, event)
+
+    monkeypatch.setattr(_stream.SimulatedStream, "event_done", counting)
+    cfg = preset(DEFAULT)
+    gpu = [[torch.zeros((cfg.num_gpu_blocks, 8), dtype=torch.uint8)] for _ in cfg.groups]
+    order = []
+    with TransferEngine(cfg, gpu, simulate_stream=7) as engine:
+        for job in range(1, 3 * MAX_IN_FLIGHT):
+            engine.submit(_store(job, job, job % 4, len(cfg.groups)))
+        engine.drain()
+        order = [r.job_id for r in engine.poll()]
+    assert order == list(range(1, 3 * MAX_IN_FLIGHT))
+    assert most[0] > 1
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3", 1 << 64])
+def test_a_bad_seed_is_refused_naming_it(bad: object) -> None:
+    cfg = preset(DEFAULT)
+    gpu = [[torch.zeros((cfg.num_gpu_blocks, 8), dtype=torch.uint8)] for _ in cfg.groups]
+    with pytest.raises(TransferArgumentError, match="simulate_stream"):
+        TransferEngine(cfg, gpu, simulate_stream=bad)  # type: ignore[arg-type]
+
+
+def test_engine_stage_catches_a_report_before_the_copy(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Defect: the worker reports a job without waiting for its event (a synchronize
+    that does not wait is the same defect). The stage's stream pass sees the pool still
+    holding the old bytes after a successful result: X2."""
+    monkeypatch.setattr(_stream.SimulatedStream, "event_synchronize",
+                        lambda self, event: None)
+    with pytest.raises(InvariantViolation, match="X2"):
+        _enginecheck.run_transfer_engine(preset(DEFAULT), _enginecheck.ENGINE_CASES, {})
+
+
+def test_simulator_catches_an_event_handed_to_two_jobs(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Defect: a retired job's event is not handed back, but a copy of the one in use is
+    (``_free_events`` refilled with the head's event twice). The second job's record of
+    a pending event is refused by the stream: the valid plan fails, X2."""
+    retire = _engine.TransferEngine._retire
+
+    def leaky(self: Any, flight: Any, block: bool) -> None:
+        if flight and flight[0].event is not None and len(self._free_events) > 1:
+            self._free_events.append(flight[0].event)  # one event twice in the free list
+        retire(self, flight, block)
+
+    monkeypatch.setattr(_engine.TransferEngine, "_retire", leaky)
+    opts = SimOptions(seed=1, requests=6, context_tokens=400, simulate_stream=True,
+                      delay_rate=0.0, fail_rate=0.0, abort_rate=0.0, reset_rate=0.0)
+    sim = Simulator(preset(DEFAULT), opts)
+    try:
+        with pytest.raises(InvariantViolation, match="X2"):
+            sim.run()
+    finally:
+        sim.transfer.close()
