@@ -47,8 +47,11 @@ Apply = Callable[[], contextlib.AbstractContextManager[Any]]
 # minutes, and a stage before it (the refinement above all) may name the failure first.
 STAGES = ("set-up", "directed", "simulations", "refinement", "bad calls", "copy library",
           "transfer engine", "state machine")
-# Seeds the "bad calls" stage runs (each with at most 60 bad twins of real calls).
+# Seeds the "bad calls" stage runs (each with at most 60 bad twins of real calls), every
+# HOSTILE_STRIDE-th one: 6 seeds 5 apart meet every variant, profile and policy, where
+# seeds 0..5 would meet the first variant only.
 HOSTILE_SEEDS = 6
+HOSTILE_STRIDE = 5
 # Failure kinds that do not say which rule broke; the battery goes on past them.
 UNNAMED = ("crash", "liveness")
 # A stage that runs longer than this (a loop that never ends) is stopped as a liveness
@@ -81,24 +84,29 @@ def watchdog(stage: str, seconds: float = STAGE_SECONDS) -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
-# Option sets the seeded simulations cycle through: calm, stormy, and under pressure.
+# Option sets the seeded simulations cycle through: calm, stormy (its copies on the
+# transfer engine's stand-in stream, retired by events), and under pressure.
 PROFILES: tuple[dict[str, Any], ...] = (
     {"fail_rate": 0.0, "delay_rate": 0.0, "abort_rate": 0.0, "reset_rate": 0.0},
     {"fail_rate": 0.1, "delay_rate": 0.5, "abort_rate": 0.03, "reset_rate": 0.03,
-     "preempt_rate": 0.05, "events_rate": 0.5},
+     "preempt_rate": 0.05, "events_rate": 0.5, "simulate_stream": True},
     {"fail_rate": 0.05, "delay_rate": 0.3, "abort_rate": 0.0, "reset_rate": 0.05,
      "num_cpu_blocks": 48, "num_gpu_blocks": 700, "preempt_rate": 0.1,
      "events_rate": 0.2, "max_pending_events": 24},
 )
 # What the config lets the engine vary, crossed with the profiles: the storable prefix U
 # below the frontier V (prompt only; a config cap; per-request caps), GPU prefix-cache
-# hits, so lookups start past token 0 and loads fill blocks after valid ones, and prompts
-# that end on a chunk boundary (where the N - 1 limit decides the hit).
+# hits, so lookups start past token 0 and loads fill blocks after valid ones, prompts
+# that end on a chunk boundary (where the N - 1 limit decides the hit), and lookups the
+# engine caps (``max_tokens``: the hit is the largest boundary at or below the cap),
+# and requests that must not load (``skip_reading``) beside ones sharing their prefix.
 VARIANTS: tuple[dict[str, Any], ...] = (
-    {"gpu_cache_rate": 0.3, "aligned_prompt_rate": 0.3},
+    {"gpu_cache_rate": 0.3, "aligned_prompt_rate": 0.3, "lookup_cap_rate": 0.3,
+     "skip_reading_rate": 0.1},
     {"prompt_only": True, "gpu_cache_rate": 0.5, "aligned_prompt_rate": 0.3},
-    {"max_offload_tokens_share": 0.5, "request_cap_rate": 0.3},
-    {"request_cap_rate": 0.5, "gpu_cache_rate": 0.5, "shared_prefix_rate": 0.9},
+    {"max_offload_tokens_share": 0.75, "request_cap_rate": 0.3, "lookup_cap_rate": 0.5},
+    {"request_cap_rate": 0.5, "gpu_cache_rate": 0.5, "shared_prefix_rate": 0.9,
+     "skip_reading_rate": 0.2},
 )
 
 
@@ -211,7 +219,7 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
     calls" stage) bad twins of real calls must bounce (A1).
     """
     stage = "refinement" if lockstep else "bad calls" if hostile else "simulations"
-    for seed in range(seeds):
+    for seed in range(0, seeds * HOSTILE_STRIDE, HOSTILE_STRIDE) if hostile else range(seeds):
         opts = stage_options(seed, config, lockstep=lockstep, hostile=hostile)
         with apply() as factory:
             sim: Simulator | None = None

@@ -127,7 +127,8 @@ class Simulator:
         self.gpu = [[torch.zeros((cfg.num_gpu_blocks, opts.row_elems), dtype=torch.int64,
                                  device=device) for _ in range(opts.layers)]
                     for _ in cfg.groups]
-        self.transfer = TransferEngine(cfg, self.gpu)
+        stream = opts.seed % (1 << 64) if opts.simulate_stream and device == "cpu" else None
+        self.transfer = TransferEngine(cfg, self.gpu, simulate_stream=stream)
         self.free_ids: list[int] = list(range(cfg.num_gpu_blocks - 1, 0, -1))
         self.prompts = PromptSource(self.rng, opts.context_tokens, opts.shared_prefix_rate,
                                     opts.aligned_prompt_rate,
@@ -165,8 +166,11 @@ class Simulator:
         if self.options.request_cap_rate and self.rng.random() < self.options.request_cap_rate:
             cap = self.rng.randrange(0, req.prompt_len + 1)
         req.store_cap = cap
+        rate = self.options.skip_reading_rate
+        skip = bool(rate) and self.rng.random() < rate
         self.scheduler.add_request(RequestInfo(req.request_id, req.prompt_len,
-                                               tuple(req.hashes), max_offload_tokens=cap))
+                                               tuple(req.hashes), max_offload_tokens=cap,
+                                               skip_reading=skip))
         self.reqs[req.request_id] = req
         self.waiting.append(req)
         self.counters.prompt_tokens += req.prompt_len
@@ -352,7 +356,12 @@ class Simulator:
             if req.request_id in preempted:
                 continue  # preempted this step: it waits at least one step
             cached = self._gpu_cached(req)
-            hit = self.scheduler.lookup(req.request_id, cached, len(req.tokens))
+            cap = self._lookup_cap(req, cached)
+            if cap is None:
+                hit = self.scheduler.lookup(req.request_id, cached, len(req.tokens))
+            else:
+                hit = self.scheduler.lookup(req.request_id, cached, len(req.tokens),
+                                            max_tokens=cap)
             if not isinstance(hit, int):
                 continue
             resume = cached + hit
@@ -385,6 +394,13 @@ class Simulator:
         unit = math.lcm(self.config.hash_block_tokens, self.config.mamba_align_tokens or 1,
                         *(g.tokens_per_chunk for g in self.config.groups))
         return unit * self.rng.randrange(0, (len(req.tokens) - 1) // unit + 1)
+
+    def _lookup_cap(self, req: SimRequest, cached: int) -> int | None:
+        """The cap this admission's lookup passes (drawn per lookup), or None: no cap."""
+        rate = self.options.lookup_cap_rate
+        if not rate or self.rng.random() >= rate:
+            return None
+        return self.rng.randrange(0, len(req.tokens) - cached + 1)
 
     def _fill_cached(self, req: SimRequest, cached: int) -> None:
         """The GPU-cached blocks hold their final bytes, as the engine computed them."""

@@ -45,10 +45,13 @@ class Hostile:
         # Twins whose one bad block id is known (``_id_twin``): name -> (that id, the
         # start of the argument its error must name, "" when any).
         self.bad_ids: dict[str, tuple[int, str]] = {}
+        # Twins whose error must name one argument (``_arg_twin``): name -> that argument.
+        self.arguments: dict[str, str] = {}
         cfg = impl.config
         self.top = cfg.num_gpu_blocks
         self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
         self.workers = cfg.num_workers
+        self.skipping: set[str] = set()  # requests added with skip_reading
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.impl, name)
@@ -56,7 +59,11 @@ class Hostile:
     # -- the bounce ------------------------------------------------------------------------
 
     def _bounce(self, twins: list[Twin]) -> None:
-        if not twins or self.left <= 0 or self.rng.random() >= self.rate:
+        # A kind of twin not bounced yet always is (when one applies only now and then, a
+        # skipping request's load, the odds alone could miss it for a whole run); the
+        # others at ``rate``.
+        fresh = any(name not in self.used for name, _ in twins)
+        if not twins or self.left <= 0 or (not fresh and self.rng.random() >= self.rate):
             return
         self.left -= 1
         # The kind bounced least so far: a twin that applies only now and then (a resumed
@@ -85,9 +92,20 @@ class Hostile:
         self.bad_ids[name] = (bad_id, argument)
         return name, call
 
+    def _arg_twin(self, name: str, argument: str, call: Callable[[], object]) -> Twin:
+        """A twin whose one fault is the value of ``argument``: its error must name it
+        (a refusal for another reason, the tier's, would hide a rule that let it by)."""
+        self.arguments[name] = argument
+        return name, call
+
     def _says(self, name: str, raised: BaseException | None) -> str:
-        """What a refused block id's error gets wrong ("" if right): the id it names and
-        the range it gives, 1..num_gpu_blocks-1 (0..num_gpu_blocks-1 past the pool)."""
+        """What a refused argument's or block id's error gets wrong ("" if right): the
+        argument it names; for a block id also the id and the range it gives,
+        1..num_gpu_blocks-1 (0..num_gpu_blocks-1 past the pool)."""
+        if name in self.arguments and raised is not None:
+            argument = getattr(raised, "argument", None)
+            return "" if argument == self.arguments[name] else \
+                f"names {argument!r}; the fault is in {self.arguments[name]}"
         known = self.bad_ids.get(name)
         if known is None or raised is None:
             return ""
@@ -127,6 +145,8 @@ class Hostile:
                 replace(info, request_id=tracked[0]))))
         self._bounce(twins)
         s.add_request(info)
+        if info.skip_reading:
+            self.skipping.add(info.request_id)
 
     def add_hashes(self, request_id: str, hashes: Any) -> None:
         s = self.impl
@@ -138,7 +158,7 @@ class Hostile:
         self._bounce(twins if hashes else [])
         s.add_hashes(request_id, hashes)
 
-    def lookup(self, request_id: str, computed: int, num_tokens: int) -> Any:
+    def lookup(self, request_id: str, computed: int, num_tokens: int, **cap: Any) -> Any:
         s = self.impl
         self._bounce([
             ("lookup: unknown request", lambda: s.lookup("no-such-request", computed,
@@ -150,8 +170,10 @@ class Hostile:
             ("lookup: bytes id", lambda: s.lookup(request_id.encode(), computed, num_tokens)),
             ("lookup: negative max_tokens", lambda: s.lookup(request_id, computed, num_tokens,
                                                             max_tokens=-1)),
+            ("lookup: float max_tokens", lambda: s.lookup(request_id, computed, num_tokens,
+                                                         max_tokens=1.0)),
         ])
-        return s.lookup(request_id, computed, num_tokens)
+        return s.lookup(request_id, computed, num_tokens, **cap)
 
     def after_alloc(self, request_id: str, tables: Any, valid: Any, computed: int,
                     load_tokens: int) -> Any:
@@ -163,6 +185,8 @@ class Hostile:
                 request_id, tables, valid, computed, -1)),
             ("after_alloc: load is not the hit", lambda: s.after_alloc(
                 request_id, tables, valid, computed, load_tokens + 10**6)),
+            ("after_alloc: one token past the hit", lambda: s.after_alloc(
+                request_id, tables, valid, computed, load_tokens + 1)),
             ("after_alloc: one table too many", lambda: s.after_alloc(
                 request_id, (*tables, tables[0]), (*valid, 0), computed, load_tokens)),
             self._id_twin("after_alloc: id past the pool", self.top, lambda: s.after_alloc(
@@ -170,6 +194,11 @@ class Hostile:
             ("after_alloc: bool id", lambda: s.after_alloc(
                 request_id, self._tables(tables, 0, True), valid, computed, load_tokens)),
         ]
+        if request_id in self.skipping and load_tokens == 0:
+            # Its lookup answered 0 without reading the tier: no load may follow it.
+            twins.append(self._arg_twin(
+                "after_alloc: a load for a request that skips reading", "load_tokens",
+                lambda: s.after_alloc(request_id, tables, valid, computed, 1)))
         if self.full:
             twins.append(self._id_twin("after_alloc: null in a FULL group", 0,
                                        lambda: s.after_alloc(

@@ -92,14 +92,14 @@ class Lockstep:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.impl, name)
 
-    def _both(self, name: str, *args: Any) -> Any:
-        got = _outcome(lambda: getattr(self.impl, name)(*args))
-        want = _outcome(lambda: getattr(self.model, name)(*args))
+    def _both(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        got = _outcome(lambda: getattr(self.impl, name)(*args, **kwargs))
+        want = _outcome(lambda: getattr(self.model, name)(*args, **kwargs))
         if got[0] == "error" and isinstance(got[1], AssertionError):
             raise got[1]
         if want[0] == "error" and isinstance(want[1], AssertionError):
             raise want[1]
-        call = f"{name}{args!r}"[:300]
+        call = f"{name}{args!r}{'' if not kwargs else f' {kwargs!r}'}"[:300]
         if got[0] == "ok" and want[0] == "ok":
             _refines(call, plain(got[1]), plain(want[1]), self.counts)
         else:
@@ -130,8 +130,9 @@ class Lockstep:
     def add_hashes(self, request_id: str, hashes: Any) -> None:
         self._both("add_hashes", request_id, hashes)
 
-    def lookup(self, request_id: str, computed: int, num_tokens: int) -> Any:
-        return self._both("lookup", request_id, computed, num_tokens)
+    def lookup(self, request_id: str, computed: int, num_tokens: int,
+               **cap: Any) -> Any:
+        return self._both("lookup", request_id, computed, num_tokens, **cap)
 
     def after_alloc(self, request_id: str, block_ids: Any, valid: Any, computed: int,
                     load_tokens: int) -> Any:

@@ -54,6 +54,15 @@ class SimOptions:
     # Share of admissions whose first tokens the engine's GPU prefix cache already holds
     # (the lookup's computed_tokens > 0).
     gpu_cache_rate: float = 0.0
+    # Share of admission lookups that pass a cap (``max_tokens``, drawn from 0 to the
+    # uncached rest of the prompt), as an engine limiting one step's load does.
+    lookup_cap_rate: float = 0.0
+    # Share of requests that must not load from the tier (``RequestInfo.skip_reading``,
+    # e.g. vLLM's ``skip_reading_prefix_cache``): their lookups answer 0; they store.
+    skip_reading_rate: float = 0.0
+    # Copy through the transfer engine's stand-in stream (CPU only): jobs retire by
+    # their events and their bytes land late, as on a GPU (``simulate_stream``).
+    simulate_stream: bool = False
     layers: int = 2
     row_elems: int = 4
     max_steps: int = 20_000
