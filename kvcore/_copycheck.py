@@ -93,7 +93,8 @@ GPU_POOL = "gpu"
 
 def _odd(rng: random.Random, r: Region) -> Region:
     """Now and then a region at an edge of its own rules: rows closer than a row (valid for
-    one row only), a null base, or fields whose extent overflows 64 bits. The C library
+    one row only), a null base, fields whose extent overflows 64 bits, or one that ends
+    exactly at the top of the address space (valid). The C library
     must refuse the bad ones before it reads any descriptor."""
     roll = rng.random()
     if roll < 0.01 and r.row_bytes > 1:
@@ -112,6 +113,9 @@ def _odd(rng: random.Random, r: Region) -> Region:
     if roll < 0.02:
         return Region(r.base, r.size_bytes, 1 << rng.randrange(8, 40), r.row_bytes,
                       1 << rng.randrange(30, 62), r.flags)
+    if roll < 0.0225:  # ends exactly at 2^64 - 1: valid; no rows, so nothing copies there
+        return Region(U64 - r.size_bytes, r.size_bytes, r.row_stride_bytes, r.row_bytes, 0,
+                      r.flags)
     return r
 
 

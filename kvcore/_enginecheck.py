@@ -703,7 +703,18 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
         ("max_queued_jobs at the documented limit 2^20", lambda: TransferEngine(
             cfg, gpu, max_queued_jobs=1 << 20)),
         ("pin_memory=False", lambda: TransferEngine(cfg, gpu, pin_memory=False)),
+        ("simulate_stream=0, the smallest seed", lambda: TransferEngine(
+            cfg, gpu, simulate_stream=0)),
+        ("simulate_stream=2^64-1, the largest seed", lambda: TransferEngine(
+            cfg, gpu, simulate_stream=(1 << 64) - 1)),
     ]
+    # Per-layer views of one packed tensor in a 2-block pool: rows interleave from two
+    # blocks on, and views of one stride are told apart by their offsets alone.
+    with contextlib.suppress(ConfigError):  # a layout that cannot have a 2-block pool
+        two = replace(cfg, num_gpu_blocks=2)
+        packed = [torch.zeros((2, 2, 8), dtype=torch.uint8) for _ in cfg.groups]
+        made.append(("per-layer views of a packed 2-block pool", lambda: TransferEngine(
+            two, [[p[:, 0], p[:, 1]] for p in packed])))
     for name, make in made:
         engine = _valid(f"TransferEngine: {name}", make, checked)
         engine.close()

@@ -159,6 +159,30 @@ def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfi
     sched.lookup("b", 0, n)
 
 
+def edge_lookups(factory: Factory, config: OffloadConfig) -> None:
+    """R1 at the edges of a lookup's arguments, each valid: everything computed on the
+    GPU (``computed_tokens == num_tokens``), a cap of 0 and caps at each boundary the
+    stored prefix has, and none, on a second request whose prefix the tier holds (the
+    first request's stored prefill). The lock step names an edge one side refuses, or
+    an answer past the cap."""
+    from kvcore.manager import CPUOffloadManager
+    cfg = small(config)
+    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    if got is None:
+        return
+    sched, done, plan = got
+    sched.worker_output([WorkerReport(w, job.job_id) for job in plan.stores
+                         for w in range(cfg.num_workers)])
+    unit = unit_tokens(cfg)
+    n = 4 * unit
+    sched.add_request(RequestInfo("b", n, _hashes(n // cfg.hash_block_tokens)))
+    sched.lookup("b", n, n)
+    for cap in (0, unit - 1, unit, done, n):
+        sched.lookup("b", 0, n, max_tokens=cap)
+    sched.lookup("b", unit, n, max_tokens=0)
+    sched.lookup("b", 0, n)
+
+
 def store_during_load(factory: Factory, config: OffloadConfig) -> None:
     """J1 at job creation: a request whose load is in flight is given no store job.
 
@@ -362,6 +386,7 @@ def _other_request_loading(sched: OffloadScheduler, cfg: OffloadConfig,
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
     reset_with_a_finished_request_storing,
+    edge_lookups,
     store_during_load,
     draft_reverified_after_shrink,
     stale_window_block_after_refused_store,

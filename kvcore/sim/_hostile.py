@@ -45,8 +45,9 @@ class Hostile:
         # Twins whose one bad block id is known (``_id_twin``): name -> (that id, the
         # start of the argument its error must name, "" when any).
         self.bad_ids: dict[str, tuple[int, str]] = {}
-        # Twins whose error must name one argument (``_arg_twin``): name -> that argument.
-        self.arguments: dict[str, str] = {}
+        # Twins whose error must name one argument, or say one phrase (``_arg_twin``):
+        # name -> (that argument or None, that phrase or None).
+        self.arguments: dict[str, tuple[str | None, str | None]] = {}
         cfg = impl.config
         self.top = cfg.num_gpu_blocks
         self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
@@ -92,10 +93,12 @@ class Hostile:
         self.bad_ids[name] = (bad_id, argument)
         return name, call
 
-    def _arg_twin(self, name: str, argument: str, call: Callable[[], object]) -> Twin:
+    def _arg_twin(self, name: str, argument: str | None, call: Callable[[], object], *,
+                  says: str | None = None) -> Twin:
         """A twin whose one fault is the value of ``argument``: its error must name it
-        (a refusal for another reason, the tier's, would hide a rule that let it by)."""
-        self.arguments[name] = argument
+        (a refusal for another reason, the tier's, would hide a rule that let it by) and,
+        given ``says``, say that (the range a value breaks)."""
+        self.arguments[name] = (argument, says)
         return name, call
 
     def _says(self, name: str, raised: BaseException | None) -> str:
@@ -103,9 +106,13 @@ class Hostile:
         argument it names; for a block id also the id and the range it gives,
         1..num_gpu_blocks-1 (0..num_gpu_blocks-1 past the pool)."""
         if name in self.arguments and raised is not None:
+            want, says = self.arguments[name]
             argument = getattr(raised, "argument", None)
-            return "" if argument == self.arguments[name] else \
-                f"names {argument!r}; the fault is in {self.arguments[name]}"
+            if want is not None and argument != want:
+                return f"names {argument!r}; the fault is in {want}"
+            if says is not None and says not in str(raised):
+                return f"does not say {says!r}"
+            return ""
         known = self.bad_ids.get(name)
         if known is None or raised is None:
             return ""
@@ -275,8 +282,10 @@ class Hostile:
         if mine:
             r = mine[0]
             twins += [
-                ("worker_output: a worker that does not exist", lambda: s.worker_output(
-                    [*reports, replace(r, worker=self.workers)])),
+                self._arg_twin("worker_output: a worker that does not exist", None,
+                               lambda: s.worker_output([*reports,
+                                                        replace(r, worker=self.workers)]),
+                               says=f"0..{self.workers - 1}"),
                 ("worker_output: the same report twice", lambda: s.worker_output(
                     [*reports, r])),
             ]
