@@ -5,7 +5,10 @@ the scheduler takes only with its own checks off (the no-chunk-completed fast pa
 compared with the reference by the refinement stage's unchecked seeds (R1). (2) A
 failure while a run is being built is a named failure of the stage, not an exception
 that escapes the battery. (3) The shadow tier names a real tier that raises where the
-reference answers (M2), and compares ``lookup_many``, the scheduler's read path.
+reference answers (M2), and compares ``lookup_many``, the scheduler's read path. (4) A
+valid lookup at an edge (everything computed, a cap of 0) refused by kvcore is named by
+the directed edge-lookup scenario (R1). (5) The bad-calls stage's seeds meet every
+variant of the options.
 """
 
 from __future__ import annotations
@@ -74,3 +77,35 @@ def test_lookup_many_is_compared_with_the_reference(monkeypatch: pytest.MonkeyPa
     result = stage()
     assert result.failure is not None and result.failure.ids == ["M2"], result.failure
     assert "lookup_many" in result.failure.message
+
+
+@pytest.mark.parametrize("edge", ["all computed", "cap 0"])
+def test_edge_lookups_name_a_refused_valid_edge(monkeypatch: pytest.MonkeyPatch,
+                                                edge: str) -> None:
+    """Mutants: lookup refuses ``computed_tokens == num_tokens`` (``<`` for ``<=``) or a
+    cap of 0 (``<= 0`` for ``< 0``). Both are valid calls the simulator almost never
+    draws; the directed ``edge_lookups`` scenario makes them in lock step (R1)."""
+    from kvcore import _scenarios
+    from kvcore.scheduler import BadStepError
+    lookup = OffloadScheduler.lookup
+
+    def strict(self: Any, rid: str, computed: int, n: int, **kw: Any) -> Any:
+        if (edge == "all computed" and computed == n) or (edge == "cap 0"
+                                                           and kw.get("max_tokens") == 0):
+            raise BadStepError(f"mutant refuses {edge}")
+        return lookup(self, rid, computed, n, **kw)
+
+    monkeypatch.setattr(OffloadScheduler, "lookup", strict)
+    with pytest.raises(InvariantViolation, match="R1"):
+        _scenarios.edge_lookups(OffloadScheduler, preset(DEFAULT))
+
+
+def test_the_bad_calls_stage_meets_every_variant() -> None:
+    """Mutant: the stage's seeds 0..5 again (``HOSTILE_STRIDE`` 1), all of the first
+    variant, so a twin that needs another variant's option (a request that skips reading,
+    a capped store) never runs. Seeds 5 apart meet every variant."""
+    seeds = range(0, _check.HOSTILE_SEEDS * _check.HOSTILE_STRIDE, _check.HOSTILE_STRIDE)
+    opts = [_check.stage_options(s, preset(DEFAULT), hostile=True) for s in seeds]
+    variants = {(o.prompt_only, o.max_offload_tokens, o.request_cap_rate, o.lookup_cap_rate,
+                 o.skip_reading_rate, o.gpu_cache_rate) for o in opts}
+    assert len(variants) == len(_check.VARIANTS)
