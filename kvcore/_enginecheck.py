@@ -773,8 +773,8 @@ def _phrase_twins(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     return [
         SetupTwin("TransferEngine: storage shrunk under a view (its extent)",
                   lambda: TransferEngine(cfg, behind), (f"gpu_tensors[{g}][0]",),
-                  {"says": "storage covers its shape", "value": 2 * n * 16,
-                   "bound": n * 16 + 8}),
+                  {"says": f"reaches byte {2 * n * 16} of its storage (offset {n * 16} + "
+                           f"extent {n * 16})", "value": 2 * n * 16, "bound": n * 16 + 8}),
         SetupTwin("TransferEngine: a tensor of 0 bytes per block",
                   lambda: TransferEngine(cfg, empty), (f"gpu_tensors[{g}][0]",),
                   {"says": "0 bytes per block", "value": 0, "bound": 1}),
