@@ -74,9 +74,15 @@ class SimulatedStream:
         return self._passed(event)
 
     def event_synchronize(self, event: int) -> None:
+        """Run the queue up to ``event``: at most its length in steps (bounded, so a
+        queue that does not advance is an error, not a hang)."""
         self._known(event, "waiting for")
-        while event in self._pending:
+        for _ in range(len(self._ops)):
+            if event not in self._pending:
+                break
             self._run(1)
+        if event in self._pending:
+            raise StreamMisuse(f"event {event} is still pending after its whole queue ran")
         self._passed(event)
 
     def event_destroy(self, event: int) -> None:
