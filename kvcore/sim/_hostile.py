@@ -232,8 +232,12 @@ class Hostile:
                 *reqs, ScheduledRequest("no-such-request", 1, 0, 1)))))]
         if reqs:
             first = reqs[0]
-            twins.append(("build_step: one request twice", lambda: s.build_step(
-                replace(step, requests=(*reqs, first)))))
+            # The last one twice: an error must name it, not the first it meets.
+            last = reqs[-1]
+            twins.append(self._arg_twin("build_step: one request twice", "requests",
+                                        lambda: s.build_step(replace(step,
+                                                                     requests=(*reqs, last))),
+                                        says=f"request {last.request_id!r} appears twice"))
             ids = first.new_block_ids
             if ids and any(ids):
                 g = next(i for i, t in enumerate(ids) if t)
