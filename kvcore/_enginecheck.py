@@ -428,7 +428,11 @@ def _read_back(bench: _Bench) -> None:
             ((g, 0, cap), "slot", f"0..{cap - 1}"), ((g, 0, -1), "slot", f"0..{cap - 1}"),
             ((g, 0, True), "slot", f"0..{cap - 1}"),
             ((groups, 0, 0), "group", f"0..{groups - 1}"), ((-1, 0, 0), "group", "0.."),
-            ((g, tensors, 0), "tensor", f"0..{tensors - 1}")]
+            ((g, tensors, 0), "tensor", f"0..{tensors - 1}"),
+            ((g, True, 0), "tensor", f"0..{tensors - 1}"),
+            # A value is named whole up to a 60-character repr, cut to 56 + "...>" past it.
+            ((g, 0, "x" * 58), "slot", "'" + "x" * 58 + "' is outside"),
+            ((g, 0, "x" * 59), "slot", "'" + "x" * 55 + "...> is outside")]
         for args, names, says in bad_calls:
             raised: BaseException | None = None
             try:
@@ -617,6 +621,14 @@ def _overlapping(blocks: int) -> torch.Tensor:
     return torch.zeros(blocks * 8 + 8, dtype=torch.uint8).as_strided((blocks, 16), (8, 1))
 
 
+def _two_strides(gpu: list[list[torch.Tensor]], g: int, n: int) -> list[list[torch.Tensor]]:
+    """``gpu`` with group ``g``'s tensors replaced by two views of one storage: 16-byte rows
+    16 bytes apart and 16-byte rows 32 bytes apart (both start at byte 0)."""
+    storage = torch.zeros(n * 32, dtype=torch.uint8)
+    views = [storage[:n * 16].view(n, 16), storage.as_strided((n, 16), (32, 1))]
+    return [views if h == g else list(ts) for h, ts in enumerate(gpu)]
+
+
 def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes: int
                   ) -> list[tuple[str, Call, tuple[str, ...]]]:
     """``TransferEngine`` built with one option, tensor or CPU buffer wrong."""
@@ -659,6 +671,10 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
         ("one tensor registered twice", engine(shared),
          (f"gpu_tensors[{g}][0]", f"gpu_tensors[{g}][1]", "gpu_tensors[0][0]")),
         ("rows overlap", engine(with_tensor(_overlapping(n))), (where,)),
+        # Two tensors of different row strides over one storage share its first bytes;
+        # only views of one stride can be shown apart, so this must be refused.
+        ("two strides over one storage", engine(_two_strides(gpu, g, n)),
+         (f"gpu_tensors[{g}][0]", f"gpu_tensors[{g}][1]")),
     ]
     # Rows can overlap from two blocks on: the smallest pool where the check applies.
     small = [[_overlapping(2) if (h, k) == (g, 0) else torch.zeros((2, 16), dtype=torch.uint8)
