@@ -158,3 +158,32 @@ def test_a_read_back_that_loses_its_range_is_caught(monkeypatch: pytest.MonkeyPa
         return real(self, group, tensor, slot)  # type: ignore[no-any-return]
     monkeypatch.setattr(_engine.TransferEngine, "read_cpu_chunk", loose)
     assert "read_cpu_chunk" in caught("A1")
+
+
+def test_views_of_different_strides_said_apart_are_caught(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Mutant: ``_rows_may_meet`` answers "apart" for views of different strides, which it
+    cannot show apart (two tensors sharing a storage's first bytes are accepted)."""
+    real = _memory._rows_may_meet
+    monkeypatch.setattr(_memory, "_rows_may_meet", lambda a, b: a.stride_bytes == b.stride_bytes
+                        and real(a, b))
+    assert "two strides over one storage: accepted" in caught(
+        "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_bool_tensor_index_let_through_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``_registered`` takes a bool for a tensor index (True reads tensor 1)."""
+    real = _engine.TransferEngine._registered
+
+    def lax(self: Any, group: object, tensor: object) -> Any:
+        return real(self, group, int(tensor) if isinstance(tensor, bool) else tensor)
+    monkeypatch.setattr(_engine.TransferEngine, "_registered", lax)
+    assert "read_cpu_chunk(0, True, 0): accepted" in caught("A1")
+
+
+def test_a_repr_cut_one_character_late_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``short_repr`` shows a 61-character repr whole (the cut is at 60)."""
+    monkeypatch.setattr(_plans, "short_repr", lambda v: repr(v) if len(repr(v)) <= 61
+                        else repr(v)[:56] + "...>")
+    monkeypatch.setattr(_engine, "short_repr", _plans.short_repr)
+    assert "...> is outside" in caught("A1")
