@@ -6,8 +6,9 @@ layout under test shrunk to a small GPU and CPU pool; the manager runs in lock s
 the reference manager (M2). ``kvcore check`` runs them before
 the random battery, so a mutant of a rarely exercised rule (a lookup while jobs are in
 flight, a store issued during a load, a draft group re-verified after another group
-shrinks the boundary, a hit below one chunk, PENDING read as a miss) is caught within
-the CI budget. The lookup scenario puts crafted tier contents in front of the lookup:
+shrinks the boundary, a hit below one chunk, PENDING read as a miss, a lookup at the
+edge of its arguments, an eviction choosing several victims) is caught within the CI
+budget. The lookup scenario puts crafted tier contents in front of the lookup:
 the tier may hold any chunks (another engine stored them, the keep rule changed, a
 store was evicted half way), and the answer must be the spec's whatever it holds.
 """
@@ -30,7 +31,15 @@ from kvcore.scheduler import (
     WorkerReport,
 )
 from kvcore.sim._shadow import ShadowedManager
-from kvcore.spec.types import GroupKind, OffloadConfig, StoreLevel, cdiv, group_keys
+from kvcore.spec.types import (
+    GroupKind,
+    OffloadConfig,
+    Status,
+    StoreLevel,
+    cdiv,
+    group_keys,
+    make_key,
+)
 
 Factory = Callable[..., OffloadScheduler]
 
@@ -383,6 +392,47 @@ def _other_request_loading(sched: OffloadScheduler, cfg: OffloadConfig,
         sched.after_alloc("b", ids, [0] * len(cfg.groups), 0, hit)
 
 
+# Operations per policy in the tier-churn scenario, and its tier's slots per group: small,
+# so that most stores evict and several victims are chosen at once.
+CHURN_OPS = 600
+CHURN_SLOTS = 6
+
+
+def tier_churn(factory: Factory, config: OffloadConfig) -> None:
+    """M1/M2 on a small tier of each policy under churn: stores of one to four keys into
+    a full tier (several victims in one choice, where ARC moves from T1 to T2 half way),
+    touches that promote keys and hit ghosts (ARC's p moves both ways), loads that pin,
+    failed stores, and events taken now and then. Every answer and every victim is the
+    reference manager's, through the shadow; no scheduler is involved."""
+    del factory  # the tier alone
+    rng = random.Random(f"churn:{config.name}:{len(config.groups)}")
+    keys = [make_key(hashlib.sha256(b"churn%d" % i).digest()[:16], 0) for i in range(24)]
+    for policy in ("lru", "arc"):
+        manager = ShadowedManager([CHURN_SLOTS] * len(config.groups), policy)
+        pinned: list[bytes] = []
+        for _ in range(CHURN_OPS):
+            op = rng.random()
+            if op < 0.45:
+                batch = rng.sample(keys, rng.randint(1, 4))
+                out = manager.prepare_store(batch)
+                if out is not None and out.keys_to_store:
+                    manager.complete_store(list(out.keys_to_store), rng.random() > 0.1)
+            elif op < 0.75:
+                manager.touch(rng.sample(keys, rng.randint(1, 6)))
+            elif op < 0.9:
+                ready = [k for k in rng.sample(keys, 4) if manager.lookup(k) is Status.HIT]
+                if ready and not pinned:
+                    manager.prepare_load(ready)
+                    pinned = ready
+                elif pinned:
+                    manager.complete_load(pinned)
+                    pinned = []
+            else:
+                manager.take_events()
+        if pinned:
+            manager.complete_load(pinned)
+
+
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
     reset_with_a_finished_request_storing,
@@ -392,6 +442,7 @@ SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     stale_window_block_after_refused_store,
     finished_then_follow_ups,
     crafted_lookups,
+    tier_churn,
 )
 
 

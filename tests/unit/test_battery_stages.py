@@ -109,3 +109,25 @@ def test_the_bad_calls_stage_meets_every_variant() -> None:
     variants = {(o.prompt_only, o.max_offload_tokens, o.request_cap_rate, o.lookup_cap_rate,
                  o.skip_reading_rate, o.gpu_cache_rate) for o in opts}
     assert len(variants) == len(_check.VARIANTS)
+
+
+def test_tier_churn_names_an_arc_choice_that_never_switches_lists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ARC's choice of several victims keeps its list for the whole choice (its
+    running |T1| not lowered per T1 victim), so it takes T1 keys the rule gives to T2.
+    Only a store evicting several keys while |T1| crosses p shows it: the directed
+    tier-churn scenario makes such stores, and the shadow names it (M2)."""
+    from kvcore import _scenarios
+    from kvcore.manager import _arc
+
+    def sticky(self: Any, n: int, can_evict: Any) -> Any:
+        first = _arc._candidates(self._t1 if self.t1_size >= int(self._target) else self._t2,
+                                 can_evict)
+        second = _arc._candidates(self._t2 if self.t1_size >= int(self._target) else self._t1,
+                                  can_evict)
+        chosen = [k for _, k in zip(range(n), [*first, *second], strict=False)]
+        return chosen if len(chosen) == n else None
+
+    monkeypatch.setattr(_arc.ARCPolicy, "choose", sticky)
+    with pytest.raises(InvariantViolation, match="M2"):
+        _scenarios.tier_churn(OffloadScheduler, preset(DEFAULT))
