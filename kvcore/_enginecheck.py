@@ -41,6 +41,7 @@ import torch
 from kvcore.manager import CPUOffloadManager, cpu_capacities, group_capacity
 from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._checks import enforce
+from kvcore.sim._engine import JOB_SECONDS
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import (
     BadKeyError,
@@ -353,7 +354,10 @@ class _Bench:
     def _finished(self, *jobs: int) -> list[TransferResult]:
         """The jobs' results once all have finished, in the order asked (taken off the
         engine's poll queue); a job reported no result, or twice, as a failed one."""
-        done = [r for r in self.engine.wait(jobs) if r.job_id in jobs]
+        try:
+            done = [r for r in self.engine.wait(jobs, timeout=JOB_SECONDS) if r.job_id in jobs]
+        except TimeoutError:  # a job never reported: failed below, not a hang
+            done = [r for r in self.engine.poll() if r.job_id in jobs]
         self.engine.poll()
         by_job = {r.job_id: r for r in done}
         return [by_job[j] if sum(r.job_id == j for r in done) == 1

@@ -189,7 +189,11 @@ def edge_lookups(factory: Factory, config: OffloadConfig) -> None:
     for cap in (0, unit - 1, unit, done, n):
         sched.lookup("b", 0, n, max_tokens=cap)
     sched.lookup("b", unit, n, max_tokens=0)
-    sched.lookup("b", 0, n)
+    hit = sched.lookup("b", 0, n)
+    if isinstance(hit, int) and hit:
+        # Ids from 1, the smallest there is: the load's range starts at block 1 of the
+        # first group (nothing is valid on the GPU).
+        sched.after_alloc("b", _ids(cfg, hit, 1, resume=hit), [0] * len(cfg.groups), 0, hit)
 
 
 def store_during_load(factory: Factory, config: OffloadConfig) -> None:

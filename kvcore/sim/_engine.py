@@ -40,6 +40,9 @@ from kvcore.transfer import TransferEngine
 
 # The largest CPU tier (in chunks) the simulator shadows with the reference manager.
 SHADOW_MAX_CHUNKS = 8192
+# A job the simulator waits for must be reported within this many seconds: its copies
+# are a few KiB, so a minute on the busiest machine means never (X2, not a hang).
+JOB_SECONDS = 60.0
 
 
 class IntegrityError(AssertionError):
@@ -269,7 +272,7 @@ class Simulator:
         for r, _, _ in scheduled:
             r.resumed = False
         plan = self.scheduler.build_step(step)
-        self.transfer.wait(plan.flush)
+        self._wait(plan.flush)
         for load in plan.loads:
             self._submit(load)
         for r, n, _ in scheduled:
@@ -523,7 +526,7 @@ class Simulator:
         workers = self.config.num_workers
         # Copies run on the transfer thread; waiting for this step's jobs here keeps the
         # run deterministic, and report delays below stand in for real asynchrony.
-        self.transfer.wait(list(self.store_plans) + list(self.load_plans))
+        self._wait(list(self.store_plans) + list(self.load_plans))
         for result in sorted(self.transfer.poll(), key=lambda r: r.job_id):
             if self.check:
                 plan = self.store_plans.get(result.job_id) or self.load_plans[result.job_id]
@@ -542,6 +545,23 @@ class Simulator:
                     self.failed_jobs.add(result.job_id)
                 self.reports.append((self.step_no + delay, report))
         self.rng.shuffle(self.reports)
+
+    def _wait(self, job_ids: Any) -> None:
+        """Wait for jobs; with checks on, one not reported within ``JOB_SECONDS`` is X2
+        (a valid plan the engine never carried out), named instead of hanging the run."""
+        ids = list(job_ids)
+        try:
+            self.transfer.wait(ids, timeout=JOB_SECONDS)
+        except TimeoutError as exc:
+            if not self.check:
+                raise
+            late = set(self.transfer.in_flight()) & set(ids)
+            plans = {**self.store_plans, **self.load_plans}
+            enforce([TransferOutcomeRecord(job, self._plan_bytes(plans[job]), False, 0,
+                                           f"not reported after {JOB_SECONDS:.0f} s: {exc}")
+                     for job in sorted(late) if job in plans]
+                    or [TransferOutcomeRecord(-1, 1, False, 0, str(exc))], self.checked)
+            raise
 
     def _submit(self, plan: TransferPlan) -> None:
         """Hand a plan to the copy engine; with checks on, a refusal of a plan the scheduler
@@ -563,7 +583,7 @@ class Simulator:
     def deliver_reports_now(self) -> None:
         """Deliver every outstanding report at once, as fast workers would, without
         running a step (directed scenarios use it to finish a request with no jobs)."""
-        self.transfer.wait(list(self.store_plans) + list(self.load_plans))
+        self._wait(list(self.store_plans) + list(self.load_plans))
         if self.reports:
             self.step_no = max(self.step_no, max(when for when, _ in self.reports))
         self._deliver_reports()
@@ -699,7 +719,7 @@ class Simulator:
         """The engine resets its prefix cache: kvcore drops the CPU tier and every job."""
         self.counters.resets += 1
         flush = self.scheduler.reset()
-        self.transfer.wait(flush)
+        self._wait(flush)
         for plan in list(self.load_plans.values()):
             # The reset dropped the load job; its bytes did land (we waited), so the
             # request continues as if the load completed.
