@@ -4,7 +4,7 @@ Goal: with ``simulate_stream`` the engine runs the code CUDA runs (jobs enqueued
 events, up to ``MAX_IN_FLIGHT`` at once, retired in order when their events pass), copies
 land late, and a worker that reports a job before its copy has landed, or hands one
 event to two jobs, is caught under X2 by the "transfer engine" stage and by the
-simulator. Each test names the defect it kills.
+simulator, and a job never reported is X2, not a hang. Each test names the defect it kills.
 """
 
 from __future__ import annotations
@@ -108,4 +108,30 @@ def test_simulator_catches_an_event_handed_to_two_jobs(monkeypatch: pytest.Monke
         with pytest.raises(InvariantViolation, match="X2"):
             sim.run()
     finally:
+        sim.transfer.close()
+
+
+def test_a_job_never_reported_is_x2_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect: the worker loses a job (here: the first is taken as pending and never
+    queued, as a worker that retires the newest job first leaves the oldest). Every wait
+    for it would block for good; the simulator names it X2 after JOB_SECONDS."""
+    from kvcore.sim import _engine as sim_engine
+    monkeypatch.setattr(sim_engine, "JOB_SECONDS", 1.0)
+    submit = _engine.TransferEngine.submit
+
+    def lose_first(self: Any, plan: TransferPlan) -> None:
+        if plan.job_id == 1:
+            with self._cond:
+                self._pending.add(plan.job_id)
+            return
+        submit(self, plan)
+
+    monkeypatch.setattr(_engine.TransferEngine, "submit", lose_first)
+    sim = Simulator(preset(DEFAULT), SimOptions(seed=0, requests=4, context_tokens=400))
+    try:
+        with pytest.raises(InvariantViolation, match=r"X2: job 1.*not reported"):
+            sim.run()
+    finally:
+        with sim.transfer._cond:
+            sim.transfer._pending.discard(1)
         sim.transfer.close()
