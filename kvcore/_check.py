@@ -99,12 +99,15 @@ PROFILES: tuple[dict[str, Any], ...] = (
 # hits, so lookups start past token 0 and loads fill blocks after valid ones, prompts
 # that end on a chunk boundary (where the N - 1 limit decides the hit), and lookups the
 # engine caps (``max_tokens``: the hit is the largest boundary at or below the cap),
-# and requests that must not load (``skip_reading``) beside ones sharing their prefix.
+# requests that must not load (``skip_reading``) beside ones sharing their prefix, and
+# hashes sent with the step (``ScheduledRequest.new_hashes``) instead of ``add_hashes``.
 VARIANTS: tuple[dict[str, Any], ...] = (
     {"gpu_cache_rate": 0.3, "aligned_prompt_rate": 0.3, "lookup_cap_rate": 0.3,
      "skip_reading_rate": 0.1},
-    {"prompt_only": True, "gpu_cache_rate": 0.5, "aligned_prompt_rate": 0.3},
-    {"max_offload_tokens_share": 0.75, "request_cap_rate": 0.3, "lookup_cap_rate": 0.5},
+    {"prompt_only": True, "gpu_cache_rate": 0.5, "aligned_prompt_rate": 0.3,
+     "step_hashes_rate": 0.5},
+    {"max_offload_tokens_share": 0.75, "request_cap_rate": 0.3, "lookup_cap_rate": 0.5,
+     "step_hashes_rate": 0.3},
     {"request_cap_rate": 0.5, "gpu_cache_rate": 0.5, "shared_prefix_rate": 0.9,
      "skip_reading_rate": 0.2},
 )

@@ -249,6 +249,38 @@ def draft_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> No
     sched.lookup("a", unit, n)
 
 
+def window_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> None:
+    """L1: a window group verified at a boundary is verified again when a later group
+    shrinks it. The window holds only the chunks it needs at four units; the last group
+    in lookup order holds three units. At three units the window lacks the chunks before
+    it, so the hit must fall below three units; a loop that kept the window's first
+    verification would answer three."""
+    cfg = small(config)
+    from kvcore.scheduler._lookup import lookup_order
+    from kvcore.scheduler._rules import needed_chunks
+    order = lookup_order(cfg)
+    windows = [i for i in order[:-1] if cfg.groups[i].kind is GroupKind.SLIDING
+               and not cfg.groups[i].is_draft]
+    if not windows:
+        return
+    window, last = windows[0], order[-1]
+    unit = unit_tokens(cfg)
+    n = 5 * unit  # room past four units for a draft group's extra chunk
+    hashes = _hashes(n // cfg.hash_block_tokens, salt=9)
+    manager = ShadowedManager(cpu_capacities(cfg))
+    for group, g in enumerate(cfg.groups):
+        keys = group_keys(cfg, group, hashes)
+        if group == last:
+            keys = keys[:(3 * unit) // g.tokens_per_chunk]
+        elif group == window:
+            rng = needed_chunks(g, 4 * unit, 0)
+            keys = keys[rng[0]:rng[1]] if rng is not None else keys
+        _store_ready(manager, keys)
+    sched = factory(cfg, manager, check=True)
+    sched.add_request(RequestInfo("a", n, hashes))
+    sched.lookup("a", 0, n)
+
+
 def stale_window_block_after_refused_store(factory: Factory, config: OffloadConfig) -> None:
     """Stale blocks: window blocks the engine freed and handed out again are not stored
     under their old keys, whether the store was refused (no room) and is retried, or a
@@ -443,6 +475,7 @@ SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     edge_lookups,
     store_during_load,
     draft_reverified_after_shrink,
+    window_reverified_after_shrink,
     stale_window_block_after_refused_store,
     finished_then_follow_ups,
     crafted_lookups,

@@ -70,6 +70,10 @@ class SimRequest:
     # Preempted and not scheduled since: its next step re-sends the whole table with
     # ``resumed`` set, as an engine resuming a preempted request does.
     resumed: bool = False
+    # Hashes of tokens sampled since its last step, sent in the next step's
+    # ``ScheduledRequest.new_hashes`` (when the request was drawn to send them that way).
+    step_hashes: bool = False
+    unsent: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -169,6 +173,8 @@ class Simulator:
         if self.options.request_cap_rate and self.rng.random() < self.options.request_cap_rate:
             cap = self.rng.randrange(0, req.prompt_len + 1)
         req.store_cap = cap
+        req.step_hashes = bool(self.options.step_hashes_rate) and \
+            self.rng.random() < self.options.step_hashes_rate
         rate = self.options.skip_reading_rate
         skip = bool(rate) and self.rng.random() < rate
         self.scheduler.add_request(RequestInfo(req.request_id, req.prompt_len,
@@ -266,12 +272,14 @@ class Simulator:
         # engine whose step output has none for it does (both forms mean "nothing new").
         step = StepInput(tuple(ScheduledRequest(r.request_id, n, r.computed, len(r.tokens),
                                                 ids if any(ids) or r.resumed else (),
-                                                resumed=r.resumed)
+                                                tuple(r.unsent), resumed=r.resumed)
                                for r, n, ids in scheduled),
                          tuple(preempted), frozenset(allocated))
         for r, _, _ in scheduled:
             r.resumed = False
         plan = self.scheduler.build_step(step)
+        for r, _, _ in scheduled:
+            r.unsent.clear()
         self._wait(plan.flush)
         for load in plan.loads:
             self._submit(load)
@@ -343,6 +351,9 @@ class Simulator:
         return False
 
     def _preempt(self, req: SimRequest, preempted: list[str]) -> None:
+        if req.unsent:  # its next lookup reads them: they cannot wait for a step
+            self.scheduler.add_hashes(req.request_id, list(req.unsent))
+            req.unsent.clear()
         self.counters.preemptions += 1
         preempted.append(req.request_id)
         req.resumed = True
@@ -495,7 +506,10 @@ class Simulator:
             prev = req.hashes[-1] if req.hashes else b""
             fresh = _kv.chain_hashes(req.tokens, have, prev, hbt, more)
             req.hashes.extend(fresh)
-            self.scheduler.add_hashes(req.request_id, fresh)
+            if req.step_hashes:
+                req.unsent.extend(fresh)
+            else:
+                self.scheduler.add_hashes(req.request_id, fresh)
         if len(req.tokens) - req.prompt_len >= req.max_new:
             self._finish(req)
 

@@ -60,6 +60,10 @@ class SimOptions:
     # Share of requests that must not load from the tier (``RequestInfo.skip_reading``,
     # e.g. vLLM's ``skip_reading_prefix_cache``): their lookups answer 0; they store.
     skip_reading_rate: float = 0.0
+    # Share of requests whose hashes of sampled tokens go in their next step's
+    # ``ScheduledRequest.new_hashes`` (an engine hashing in its scheduler step) instead
+    # of ``add_hashes``.
+    step_hashes_rate: float = 0.0
     # Copy through the transfer engine's stand-in stream (CPU only): jobs retire by
     # their events and their bytes land late, as on a GPU (``simulate_stream``).
     simulate_stream: bool = False
@@ -118,10 +122,12 @@ class PromptSource:
 
     def aligned(self, prompt: list[int]) -> list[int]:
         """``prompt``, or (at ``aligned_rate``) its longest prefix of whole ``align``-token
-        chunks (padded up to one chunk): a follow-up cut so ends inside the earlier
-        request's tokens, all of them in the tier. Drawn only when the rate is set, so
-        runs without aligned prompts keep their seeds."""
+        chunks (padded up to one chunk), or that and one token: a follow-up cut so ends
+        inside the earlier request's tokens, all of them in the tier. Drawn only when the
+        rate is set, so runs without aligned prompts keep their seeds."""
         if self.aligned_rate and self.rng.random() < self.aligned_rate:
-            keep = max(self.align, len(prompt) // self.align * self.align)
+            # Every other one a token longer: its last boundary is the N - 1 limit itself.
+            keep = max(self.align, len(prompt) // self.align * self.align) \
+                + self.rng.randrange(2)
             return (prompt + self.tokens(keep - len(prompt)))[:keep]
         return prompt
