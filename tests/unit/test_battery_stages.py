@@ -131,3 +131,35 @@ def test_tier_churn_names_an_arc_choice_that_never_switches_lists(
     monkeypatch.setattr(_arc.ARCPolicy, "choose", sticky)
     with pytest.raises(InvariantViolation, match="M2"):
         _scenarios.tier_churn(OffloadScheduler, preset(DEFAULT))
+
+
+def test_a_window_not_reverified_after_a_shrink_is_named(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Mutant: the convergence loop re-verifies FULL and draft groups after a shrink but
+    not windows (``is`` for ``is not`` in ``_needs_reverify``). Random lookups on
+    DeepSeek-V4 never meet it; the directed scenario does (L1: 768 answered, 0 right)."""
+    from kvcore import _scenarios
+    from kvcore.scheduler import _lookup
+    from kvcore.spec.types import GroupKind
+    monkeypatch.setattr(_lookup, "_needs_reverify",
+                        lambda g: g.kind is GroupKind.FULL or g.is_draft)
+    with pytest.raises(InvariantViolation, match="L1"):
+        _scenarios.window_reverified_after_shrink(OffloadScheduler, preset(DEFAULT))
+
+
+def test_hashes_sent_with_the_step_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: a step's ``new_hashes`` subtracted from the hashes it brings, so a valid
+    step that carries them is refused. The refinement seeds of the variant that sends
+    hashes with the step meet it (R1)."""
+    real = OffloadScheduler.build_step
+
+    def lose_new(self: Any, step: Any) -> Any:
+        if any(sr.new_hashes for sr in step.requests):
+            from kvcore.scheduler import BadStepError
+            raise BadStepError("mutant: new_hashes not counted")
+        return real(self, step)
+
+    monkeypatch.setattr(OffloadScheduler, "build_step", lose_new)
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 12, result, preset=DEFAULT, lockstep=True)
+    assert result.failure is not None and result.failure.ids == ["R1"], result.failure
