@@ -172,8 +172,9 @@ def edge_lookups(factory: Factory, config: OffloadConfig) -> None:
     """R1 at the edges of a lookup's arguments, each valid: everything computed on the
     GPU (``computed_tokens == num_tokens``), a cap of 0 and caps at each boundary the
     stored prefix has, and none, on a second request whose prefix the tier holds (the
-    first request's stored prefill). The lock step names an edge one side refuses, or
-    an answer past the cap."""
+    first request's stored prefill); then an allocation whose every block is valid on
+    the GPU, and a load from block id 1. The lock step names an edge one side refuses,
+    or an answer past the cap."""
     from kvcore.manager import CPUOffloadManager
     cfg = small(config)
     got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
@@ -189,6 +190,9 @@ def edge_lookups(factory: Factory, config: OffloadConfig) -> None:
     for cap in (0, unit - 1, unit, done, n):
         sched.lookup("b", 0, n, max_tokens=cap)
     sched.lookup("b", unit, n, max_tokens=0)
+    # Every block of the table valid on the GPU (valid_blocks == its length), no load.
+    ids = _ids(cfg, unit, 1, resume=unit)
+    sched.after_alloc("b", ids, [len(t) for t in ids], unit, 0)
     hit = sched.lookup("b", 0, n)
     if isinstance(hit, int) and hit:
         # Ids from 1, the smallest there is: the load's range starts at block 1 of the
