@@ -452,11 +452,13 @@ def _read_back(bench: _Bench) -> None:
 
 
 def _failed_job(result: TransferResult, refusal: str | None) -> str:
-    """How a bad plan that got past submit differs from a failed job that moved nothing
-    and says what validate said (``refusal``); "" when it agrees. A job that succeeded
-    is judged by its record as accepted."""
+    """How a bad plan that got past submit differs from a failed job that moved nothing,
+    took no negative time and says what validate said (``refusal``); "" when it agrees.
+    A job that succeeded is judged by its record as accepted."""
     if result.bytes:
         return f"moved {result.bytes} bytes"
+    if not result.seconds >= 0:
+        return f"took {result.seconds} s"
     if refusal is not None and result.error != refusal:
         return f"its failed job says {result.error!r}, validate {refusal[:80]!r}"
     return ""
