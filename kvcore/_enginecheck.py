@@ -31,6 +31,7 @@ import contextlib
 import math
 import random
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
@@ -360,9 +361,10 @@ class _Bench:
             done = [r for r in self.engine.poll() if r.job_id in jobs]
         self.engine.poll()
         by_job = {r.job_id: r for r in done}
-        return [by_job[j] if sum(r.job_id == j for r in done) == 1
-                else TransferResult(j, False, 0, 0.0, f"{sum(r.job_id == j for r in done)} "
-                                    "results reported") for j in jobs]
+        reported = Counter(r.job_id for r in done)
+        return [by_job[j] if reported[j] == 1
+                else TransferResult(j, False, 0, 0.0, f"{reported[j]} results reported")
+                for j in jobs]
 
     def record(self, call: str, raised: str | None, kvcore_error: bool,
                mismatch: str) -> None:

@@ -121,6 +121,12 @@ def _prefill_with_store(factory: Factory, cfg: OffloadConfig, manager: Any
     return sched, 3 * unit, plan
 
 
+def _report_stores(sched: Any, cfg: OffloadConfig, plan: Any) -> None:
+    """Every worker reports every store job of ``plan`` as done."""
+    sched.worker_output([WorkerReport(w, job.job_id) for job in plan.stores
+                         for w in range(cfg.num_workers)])
+
+
 def _lockstepped(factory: Factory) -> Factory:
     """``factory``'s scheduler in lock step with the reference (R1 on every hook)."""
     from kvcore.sim._lockstep import paired
@@ -161,8 +167,7 @@ def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfi
     sched, _, plan = got
     sched.request_finished("a")
     sched.reset()
-    sched.worker_output([WorkerReport(w, job.job_id) for job in plan.stores
-                         for w in range(cfg.num_workers)])
+    _report_stores(sched, cfg, plan)
     n = 4 * unit_tokens(cfg)
     sched.add_request(RequestInfo("b", n, _hashes(n // cfg.hash_block_tokens)))
     sched.lookup("b", 0, n)
@@ -181,8 +186,7 @@ def edge_lookups(factory: Factory, config: OffloadConfig) -> None:
     if got is None:
         return
     sched, done, plan = got
-    sched.worker_output([WorkerReport(w, job.job_id) for job in plan.stores
-                         for w in range(cfg.num_workers)])
+    _report_stores(sched, cfg, plan)
     unit = unit_tokens(cfg)
     n = 4 * unit
     sched.add_request(RequestInfo("b", n, _hashes(n // cfg.hash_block_tokens)))
@@ -277,8 +281,8 @@ def window_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> N
         if group == last:
             keys = keys[:(3 * unit) // g.tokens_per_chunk]
         elif group == window:
-            rng = needed_chunks(g, 4 * unit, 0)
-            keys = keys[rng[0]:rng[1]] if rng is not None else keys
+            need = needed_chunks(g, 4 * unit, 0)
+            keys = keys[need[0]:need[1]] if need is not None else keys
         _store_ready(manager, keys)
     sched = factory(cfg, manager, check=True)
     sched.add_request(RequestInfo("a", n, hashes))

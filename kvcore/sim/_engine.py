@@ -371,7 +371,7 @@ class Simulator:
                 continue  # preempted this step: it waits at least one step
             cached = self._gpu_cached(req)
             cap = self._lookup_cap(req, cached)
-            if cap is None:
+            if cap is None:  # no keyword: the bug zoo's lookups take no cap
                 hit = self.scheduler.lookup(req.request_id, cached, len(req.tokens))
             else:
                 hit = self.scheduler.lookup(req.request_id, cached, len(req.tokens),
