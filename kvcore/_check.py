@@ -84,6 +84,10 @@ def watchdog(stage: str, seconds: float = STAGE_SECONDS) -> Iterator[None]:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
+# The pressure profile's and the bad-calls stage's tier: slots per group (``pressure_slots``
+# shrinks it, never below the minimum, for layouts whose runs store few chunks).
+PRESSURE_SLOTS = 48
+MIN_PRESSURE_SLOTS = 8
 # Option sets the seeded simulations cycle through: calm, stormy (its copies on the
 # transfer engine's stand-in stream, retired by events), and under pressure.
 PROFILES: tuple[dict[str, Any], ...] = (
@@ -91,7 +95,7 @@ PROFILES: tuple[dict[str, Any], ...] = (
     {"fail_rate": 0.1, "delay_rate": 0.5, "abort_rate": 0.03, "reset_rate": 0.03,
      "preempt_rate": 0.05, "events_rate": 0.5, "simulate_stream": True},
     {"fail_rate": 0.05, "delay_rate": 0.3, "abort_rate": 0.0, "reset_rate": 0.05,
-     "num_cpu_blocks": 48, "num_gpu_blocks": 700, "preempt_rate": 0.1,
+     "num_cpu_blocks": 48, "num_gpu_blocks": 700, "preempt_rate": 0.1,  # PRESSURE_SLOTS
      "events_rate": 0.2, "max_pending_events": 24},
 )
 # What the config lets the engine vary, crossed with the profiles: the storable prefix U
@@ -207,9 +211,21 @@ def stage_options(seed: int, config: OffloadConfig | None = None, *, lockstep: b
     if lockstep:
         opts = replace(opts, policy="lru", lockstep=True)
     if hostile:
-        opts = replace(opts, hostile=True, num_cpu_blocks=48, num_gpu_blocks=700,
+        opts = replace(opts, hostile=True, num_cpu_blocks=PRESSURE_SLOTS, num_gpu_blocks=700,
                        preempt_rate=max(opts.preempt_rate, 0.05))
+    if config is not None and opts.num_cpu_blocks == PRESSURE_SLOTS:
+        opts = replace(opts, num_cpu_blocks=pressure_slots(config, opts))
     return opts
+
+
+def pressure_slots(config: OffloadConfig, opts: SimOptions) -> int:
+    """The small tier's slots per group: ``PRESSURE_SLOTS``, or fewer where a run stores
+    fewer than six times that many chunks of its finest group. With 64-token chunks and
+    400-token prompts a run stores about 75 chunks, and a 48-slot tier never evicted: no
+    eviction choice of either policy met the checks on that layout."""
+    finest = min(g.tokens_per_chunk for g in config.groups)
+    stored = opts.requests * opts.context_tokens // finest
+    return min(PRESSURE_SLOTS, max(MIN_PRESSURE_SLOTS, stored // 6))
 
 
 def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
@@ -388,12 +404,36 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
             break
     if result.failure is None:
         result.failure = unnamed
+    if result.failure is None:
+        result.failure = unchecked(result)
     result.seconds = time.perf_counter() - start
     return result
 
 
+def unchecked(result: BatteryResult) -> Failure | None:
+    """A "coverage" failure naming every invariant no stage evaluated, else None.
+
+    A row of zeros reads as "no violations" but says nothing: the run-time checks that
+    feed it were switched off or bypassed (a store path that no longer hands E1 its
+    records), or no stage reached the rule on this layout (a tier that never filled, so no
+    eviction met M1). Every stage ran for this to be asked, so a zero is never a budget
+    cut short by an earlier failure.
+    """
+    zeros = [i for i in INVARIANT_IDS if not result.checked.get(i)]
+    if not zeros:
+        return None
+    return Failure("coverage", zeros,
+                   f"{', '.join(zeros)} checked 0 times in a run of every stage: a check "
+                   "that never runs cannot fail (run-time checks bypassed, or no stage "
+                   "reaches the rule on this layout; more --seeds may reach it)",
+                   "kvcore check --no-proofs, with this run's --preset or --config",
+                   "coverage", "")
+
+
 def invariant_table(result: BatteryResult) -> dict[str, dict[str, int]]:
-    broken = set(result.failure.ids) if result.failure else set()
+    # A coverage failure's ids were never evaluated, not violated.
+    broken = set(result.failure.ids) if result.failure and \
+        result.failure.kind != "coverage" else set()
     return {i: {"checked": result.checked.get(i, 0), "violations": int(i in broken)}
             for i in INVARIANT_IDS}
 

@@ -446,7 +446,8 @@ def tier_churn(factory: Factory, config: OffloadConfig) -> None:
     """M1/M2 on a small tier of each policy under churn: stores of one to four keys into
     a full tier (several victims in one choice, where ARC moves from T1 to T2 half way),
     touches that promote keys and hit ghosts (ARC's p moves both ways), loads that pin,
-    failed stores, and events taken now and then. Every answer and every victim is the
+    failed stores, completions that also list READY, repeated and absent keys (the tier
+    must leave them alone), and events taken now and then. Every answer and every victim is the
     reference manager's, through the shadow; no scheduler is involved."""
     del factory  # the tier alone
     rng = random.Random(f"churn:{config.name}:{len(config.groups)}")
@@ -460,7 +461,14 @@ def tier_churn(factory: Factory, config: OffloadConfig) -> None:
                 batch = rng.sample(keys, rng.randint(1, 4))
                 out = manager.prepare_store(batch)
                 if out is not None and out.keys_to_store:
-                    manager.complete_store(list(out.keys_to_store), rng.random() > 0.1)
+                    done = list(out.keys_to_store)
+                    if rng.random() < 0.3:
+                        # A key READY before this store (first, so a tier that marks it
+                        # again emits a second stored event), one listed twice, and one
+                        # absent: the tier leaves all three alone.
+                        done = [k for k in batch if k not in done][:1] + done + done[:1] + \
+                            [k for k in keys if manager.lookup(k) is Status.MISS][:1]
+                    manager.complete_store(done, rng.random() > 0.1)
             elif op < 0.75:
                 manager.touch(rng.sample(keys, rng.randint(1, 6)))
             elif op < 0.9:

@@ -28,8 +28,8 @@ from kvcore.spec.types import MAX_CONTEXT_TOKENS, OffloadConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_LIVENESS, EXIT_CRASH = 0, 1, 2, 3, 4
 EXIT_INCONCLUSIVE = 5
-KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "liveness": EXIT_LIVENESS,
-             "crash": EXIT_CRASH}
+KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "coverage": EXIT_FAIL,
+             "liveness": EXIT_LIVENESS, "crash": EXIT_CRASH}
 
 # Bounds of the numeric options. Each is far above what a useful run asks for, so only a
 # typo (a sign, a unit, an extra digit) meets one, and it is refused before anything runs.

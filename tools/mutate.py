@@ -70,7 +70,7 @@ OPERATORS.update({
 C_SWAPS = [("<=", "<"), (">=", ">"), ("==", "!="), ("!=", "=="), ("&&", "||"), ("||", "&&"),
            (" - ", " + "), (" + ", " - ")]
 C_SINGLE = [(re.compile(r"(?<![<>-])<(?![<=])"), "<="), (re.compile(r"(?<![<>-])>(?![>=])"), ">=")]
-INVARIANT_FAIL = re.compile(r"^FAILED \((invariant|integrity): ([^)]+)\)", re.M)
+INVARIANT_FAIL = re.compile(r"^FAILED \((invariant|integrity|coverage): ([^)]+)\)", re.M)
 
 
 @dataclass

@@ -206,6 +206,12 @@ class Hostile:
             twins.append(self._arg_twin(
                 "after_alloc: a load for a request that skips reading", "load_tokens",
                 lambda: s.after_alloc(request_id, tables, valid, computed, 1)))
+        hole = self._window_hole(tables, valid, computed + load_tokens)
+        if hole is not None:
+            twins.append(self._arg_twin(
+                "after_alloc: null inside a window group's load range", None,
+                lambda: s.after_alloc(request_id, hole, valid, computed, load_tokens),
+                says="null block inside the load range"))
         if self.full:
             twins.append(self._id_twin("after_alloc: null in a FULL group", 0,
                                        lambda: s.after_alloc(
@@ -213,6 +219,29 @@ class Hostile:
                 load_tokens)))
         self._bounce(twins)
         return s.after_alloc(request_id, tables, valid, computed, load_tokens)
+
+    def _window_hole(self, tables: Any, valid: Any, boundary: int) -> Any:
+        """``tables`` with the last block a window (or Mamba) group loads made null, where
+        that group loads two blocks or more (so its first loaded block stays first): null
+        blocks are allowed before a window, never inside what is loaded."""
+        cfg = self.impl.config
+        for g, spec in enumerate(cfg.groups):
+            table = tuple(tables[g])
+            end = -(-boundary // spec.tokens_per_block)
+            if spec.kind is GroupKind.FULL or not 0 < end <= len(table) or valid[g] >= end:
+                continue
+            start = next((i for i in range(valid[g], end) if table[i]), end)
+            if end - start >= 2:
+                return self._tables_at(tables, g, end - 1, 0)
+        return None
+
+    def _tables_at(self, tables: Any, group: int, index: int, value: object
+                   ) -> tuple[tuple[Any, ...], ...]:
+        out = [tuple(t) for t in tables]
+        row = list(out[group])
+        row[index] = value
+        out[group] = tuple(row)
+        return tuple(out)
 
     def build_step(self, step: StepInput) -> Any:
         self._bounce(self._step_twins(step))

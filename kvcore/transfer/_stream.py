@@ -36,7 +36,7 @@ class SimulatedStream:
 
     def __init__(self, seed: int) -> None:
         self._rng = random.Random(f"stream:{seed}")
-        self._ops: deque[tuple[int, Callable[[], None] | None]] = deque()  # (event, copy)
+        self._ops: deque[int | Callable[[], None]] = deque()  # an event's id, or a copy
         self._live: set[int] = set()
         self._pending: set[int] = set()  # recorded, not yet passed
         # A deferred copy's failure waits for the next event recorded behind it, and is
@@ -50,7 +50,7 @@ class SimulatedStream:
              method: int = 0, kernel_ctas: int = 0, **funnel: Any) -> None:
         """Validate now (KVCopyError, nothing queued); copy when the stream gets there."""
         _native.validate(regions, descs, **funnel)
-        self._ops.append((0, lambda: _native.copy(regions, descs, **funnel)))
+        self._ops.append(lambda: _native.copy(regions, descs, **funnel))
 
     def event_create(self) -> int:
         if len(self._live) >= MAX_EVENTS:
@@ -65,7 +65,7 @@ class SimulatedStream:
             raise StreamMisuse(f"event {event} recorded again before it completed: the "
                                "earlier job would be reported by the later one's copy")
         self._pending.add(event)
-        self._ops.append((event, None))
+        self._ops.append(event)
 
     def event_done(self, event: int) -> bool:
         """Non-blocking; the stream first runs a seeded number of its queued steps."""
@@ -104,13 +104,14 @@ class SimulatedStream:
 
     def _run(self, steps: int) -> None:
         for _ in range(min(steps, len(self._ops))):
-            event, copy = self._ops.popleft()
-            if copy is not None:
+            op = self._ops.popleft()
+            if not isinstance(op, int):
                 try:
-                    copy()
+                    op()
                 except Exception as exc:  # surfaces at the event behind it, as on CUDA
                     self._error = self._error or exc
             else:
+                event = op
                 self._pending.discard(event)
                 if self._error is not None:
                     self._failed[event], self._error = self._error, None

@@ -163,3 +163,91 @@ def test_hashes_sent_with_the_step_are_counted(monkeypatch: pytest.MonkeyPatch) 
     result = _check.BatteryResult()
     _check.run_sims(preset(DEFAULT), 12, result, preset=DEFAULT, lockstep=True)
     assert result.failure is not None and result.failure.ids == ["R1"], result.failure
+
+
+def test_tier_churn_names_a_ready_key_marked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``complete_store``'s skip test ``and`` for ``or``, so a key READY before
+    the store is marked again (a second stored event, its pool's run grows) and an absent
+    key raises. Churn completions also list READY, repeated and absent keys; the shadow
+    names it (M2)."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore import _scenarios
+    monkeypatch.setattr(CPUOffloadManager, "complete_store", mutated(
+        CPUOffloadManager.complete_store, "if entry is None or entry.ready:",
+        "if entry is None and entry.ready:"))
+    with pytest.raises(InvariantViolation, match="M2"):
+        _scenarios.tier_churn(OffloadScheduler, preset(DEFAULT))
+
+
+def test_the_pressure_tier_evicts_on_every_preset() -> None:
+    """Mutant: the pressure tier fixed at 48 slots per group whatever the layout. On
+    DeepSeek-V3 (64-token chunks, 400-token prompts) no run then evicted, and no eviction
+    choice met M1; ``pressure_slots`` sizes it so that every preset's runs evict."""
+    from kvcore.presets import PRESETS
+    from kvcore.sim import Simulator
+    for name in sorted(PRESETS):
+        config = preset(name)
+        evictions = 0
+        for seed in range(2, 12, 3):  # the pressure profile's seeds
+            opts = _check.stage_options(seed, config)
+            sim = Simulator(config, opts, check=True)
+            try:
+                sim.run()
+            finally:
+                sim.transfer.close()
+            evictions += sim.manager.checked.get("M1", 0)
+        assert evictions > 0, name
+
+
+def test_an_invariant_never_evaluated_fails_as_coverage() -> None:
+    """Mutant: the store path stops handing E1 its records (``store_records`` without its
+    offers), which no violation can show: E1's count falls to 0. A zero after every stage
+    passed is a "coverage" failure naming it, and not a violation in the table."""
+    result = _check.BatteryResult()
+    result.checked = {i: 1 for i in _check.INVARIANT_IDS if i != "E1"}
+    failure = _check.unchecked(result)
+    assert failure is not None and failure.kind == "coverage" and failure.ids == ["E1"]
+    result.failure = failure
+    assert _check.invariant_table(result)["E1"] == {"checked": 0, "violations": 0}
+    result.checked["E1"] = 1
+    assert _check.unchecked(result) is None
+
+
+def test_the_store_records_feed_e1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mechanism the coverage rule reads: with ``store_records`` dropping the offers,
+    a checked simulation evaluates E1 no times (and with them, many)."""
+    from kvcore.scheduler import _store
+    from kvcore.sim import Simulator
+    config = preset(DEFAULT)
+
+    def e1_count() -> int:
+        sim = Simulator(config, _check.stage_options(0, config), check=True)
+        try:
+            sim.run()
+        finally:
+            sim.transfer.close()
+        return sim.scheduler.checked.get("E1", 0)
+
+    assert e1_count() > 0
+    real = _store.store_records
+    monkeypatch.setattr(_store, "store_records", lambda cfg, draft, built, cursors: [
+        r for r in real(cfg, draft, built, cursors)
+        if type(r).__name__ not in ("StoreOfferRecord", "CursorMoveRecord")])
+    assert e1_count() == 0
+
+
+def test_a_null_inside_a_window_load_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the load plan's null check looks for -1, so a window group's table with a
+    null block inside the load range plans a copy into block 0. The bad-calls stage's
+    twin with such a hole must be refused saying so; under the mutant the plan's B1 check
+    fires on it."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.scheduler import _rules
+    monkeypatch.setattr(_rules, "group_load", mutated(_rules.group_load, "if 0 in ids:",
+                                                      "if -1 in ids:"))
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 2, result, preset=DEFAULT, hostile=True)
+    assert result.failure is not None and result.failure.ids in (["B1"], ["A1"]), \
+        result.failure

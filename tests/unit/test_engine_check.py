@@ -187,3 +187,14 @@ def test_a_repr_cut_one_character_late_is_caught(monkeypatch: pytest.MonkeyPatch
                         else repr(v)[:56] + "...>")
     monkeypatch.setattr(_engine, "short_repr", _plans.short_repr)
     assert "...> is outside" in caught("A1")
+
+
+def test_a_misaligned_buffer_error_carries_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the misaligned CPU buffer's error carries bound -1 (the offset it needs is
+    0 modulo 64); the set-up twin pins value and bound."""
+    from refinement.test_refinement_mutants import mutated
+    bad = mutated(_memory._check_buffer, "CPU_BUFFER_ALIGNMENT, bound=0)",
+                  "CPU_BUFFER_ALIGNMENT, bound=-1)")
+    monkeypatch.setattr(_memory, "_check_buffer", bad)
+    monkeypatch.setattr(_setup, "_check_buffer", bad)
+    assert "misaligned" in caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
