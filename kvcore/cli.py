@@ -4,8 +4,8 @@ Exit codes say what failed (as the VOPR separates them): 0 clean, 1 a correctnes
 (an invariant, byte integrity, or a surviving mutant), 2 bad usage or config (nothing was
 run), 3 liveness (a run did not settle), 4 a crash inside kvcore (the traceback goes to a
 file whose path is printed), 5 inconclusive (a proof ran out of budget without a
-counterexample, and nothing else failed). The human table and ``--json`` render the same
-data.
+counterexample, or an invariant no stage evaluated; nothing else failed). The human
+table and ``--json`` render the same data.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvcore.spec.types import MAX_CONTEXT_TOKENS, OffloadConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_LIVENESS, EXIT_CRASH = 0, 1, 2, 3, 4
 EXIT_INCONCLUSIVE = 5
-KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "coverage": EXIT_FAIL,
+KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "coverage": EXIT_INCONCLUSIVE,
              "liveness": EXIT_LIVENESS, "crash": EXIT_CRASH}
 
 # Bounds of the numeric options. Each is far above what a useful run asks for, so only a
@@ -134,7 +134,8 @@ def _crash_file(text: str) -> str:
 
 def _report_failure(failure: Any) -> int:
     """Print a battery failure and return its exit code; a crash also gets a crash file."""
-    print(f"\nFAILED ({failure.kind}: {', '.join(failure.ids)}): {failure.message}\n"
+    head = "INCONCLUSIVE" if failure.kind == "coverage" else "FAILED"
+    print(f"\n{head} ({failure.kind}: {', '.join(failure.ids)}): {failure.message}\n"
           f"reproduce with:\n{failure.reproducer}")
     if failure.kind == "crash":
         details = getattr(failure, "traceback", "") or "(no traceback was recorded)"
@@ -224,8 +225,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     report["exit_code"] = code
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-    verdict = {EXIT_OK: "ok", EXIT_INCONCLUSIVE: "INCONCLUSIVE (a proof ran out of budget; "
-               "nothing failed)"}
+    unseen = result.failure is not None and result.failure.kind == "coverage"
+    verdict = {EXIT_OK: "ok", EXIT_INCONCLUSIVE: "INCONCLUSIVE (" + (
+        "an invariant no stage evaluated" if unseen else "a proof ran out of budget") +
+        "; nothing failed)"}
     print(f"\n{verdict.get(code, 'FAILED')}")
     return code
 

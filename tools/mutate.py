@@ -70,7 +70,10 @@ OPERATORS.update({
 C_SWAPS = [("<=", "<"), (">=", ">"), ("==", "!="), ("!=", "=="), ("&&", "||"), ("||", "&&"),
            (" - ", " + "), (" + ", " - ")]
 C_SINGLE = [(re.compile(r"(?<![<>-])<(?![<=])"), "<="), (re.compile(r"(?<![<>-])>(?![>=])"), ">=")]
-INVARIANT_FAIL = re.compile(r"^FAILED \((invariant|integrity|coverage): ([^)]+)\)", re.M)
+# A named failure (exit 1), or an invariant no stage evaluated (exit 5: the run is not
+# "ok", and it names the rule).
+INVARIANT_FAIL = re.compile(r"^(?:FAILED \((invariant|integrity)|INCONCLUSIVE \((coverage)): "
+                            r"([^)]+)\)", re.M)
 
 
 @dataclass
@@ -243,8 +246,8 @@ def run_check(tree: Path, opts: Options, limit: float) -> tuple[str, str, float]
         return "survived (timeout)", "", time.monotonic() - start
     took = time.monotonic() - start
     named = INVARIANT_FAIL.search(proc.stdout)
-    if proc.returncode == 1 and named:
-        return "killed", f"{named.group(1)} {named.group(2)}", took
+    if named and (proc.returncode, bool(named.group(2))) in ((1, False), (5, True)):
+        return "killed", f"{named.group(1) or named.group(2)} {named.group(3)}", took
     if proc.returncode == 0:
         return "survived", "", took
     lines = (proc.stdout + proc.stderr).strip().splitlines()

@@ -206,7 +206,9 @@ class Hostile:
             twins.append(self._arg_twin(
                 "after_alloc: a load for a request that skips reading", "load_tokens",
                 lambda: s.after_alloc(request_id, tables, valid, computed, 1)))
-        hole = self._window_hole(tables, valid, computed + load_tokens)
+        # (With no load the tables are never planned from: a hole there is no fault.)
+        hole = self._window_hole(tables, valid, computed + load_tokens) if load_tokens > 0 \
+            else None
         if hole is not None:
             twins.append(self._arg_twin(
                 "after_alloc: null inside a window group's load range", None,

@@ -214,6 +214,21 @@ def test_an_invariant_never_evaluated_fails_as_coverage() -> None:
     assert _check.unchecked(result) is None
 
 
+def test_the_battery_asks_for_coverage_and_the_cli_calls_it_inconclusive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutants: ``run_battery`` never asks ``unchecked`` (a table of zeros reads "ok"), or
+    the CLI has no exit code for coverage. With every stage a no-op, every id is 0: the
+    battery names them all, and the CLI reports exit 5 (inconclusive), not 0 or 1."""
+    from kvcore import cli
+    monkeypatch.setattr(_check, "STAGES", ())
+    result = _check.run_battery(preset(DEFAULT), preset=DEFAULT, seeds=1, examples=1,
+                                steps=1)
+    assert result.failure is not None and result.failure.kind == "coverage"
+    assert result.failure.ids == list(_check.INVARIANT_IDS)
+    assert "--seeds 1 --examples 1 --steps 1" in result.failure.reproducer
+    assert cli._report_failure(result.failure) == cli.EXIT_INCONCLUSIVE
+
+
 def test_the_store_records_feed_e1(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mechanism the coverage rule reads: with ``store_records`` dropping the offers,
     a checked simulation evaluates E1 no times (and with them, many)."""
@@ -249,5 +264,22 @@ def test_a_null_inside_a_window_load_is_named(monkeypatch: pytest.MonkeyPatch) -
                                                       "if -1 in ids:"))
     result = _check.BatteryResult()
     _check.run_sims(preset(DEFAULT), 2, result, preset=DEFAULT, hostile=True)
-    assert result.failure is not None and result.failure.ids in (["B1"], ["A1"]), \
-        result.failure
+    assert result.failure is not None and result.failure.ids == ["B1"], result.failure
+
+
+def test_a_coverage_failure_is_no_catch_of_a_zoo_mutant(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Mutant: ``run_mutant`` scores a coverage failure naming the mutant's id as a kill
+    (at a tiny budget X1 is never met, so "failed-transfer-counted" would be "killed by
+    X1" with nothing caught). A rule no stage reached is no catch: it survives."""
+    from kvcore import zoo
+
+    def unreached(config: Any, **kwargs: Any) -> _check.BatteryResult:
+        result = _check.BatteryResult()
+        result.failure = _check.Failure("coverage", list(_check.INVARIANT_IDS), "", "")
+        return result
+
+    monkeypatch.setattr(_check, "run_battery", unreached)
+    mutant = zoo.MUTANTS[0]
+    outcome = _check.run_mutant(mutant, seeds=1, examples=1, steps=1)
+    assert outcome.status in ("survived", "n/a"), outcome
