@@ -332,6 +332,25 @@ class _Bench:
         enforce([TransferOutcomeRecord(plan.job_id, n, r.success, r.bytes, r.error, wrong)
                  for plan, n, r in zip(plans, planned, results, strict=True)], self.checked)
 
+    def run_then_close(self, *plans: TransferPlan) -> None:
+        """Valid plans submitted, then ``close()`` at once: close finishes queued jobs
+        (docs/native.md), so each is reported done, once, and copied whole (X2), also
+        those still on the stream when the worker's queue ends."""
+        planned = [self.model.apply(plan, self.bpc) for plan in plans]
+        for plan in plans:
+            _valid(f"submit: valid plan {plan.job_id}", partial(self.engine.submit, plan),
+                   self.checked)
+        self.engine.close()
+        ids = {plan.job_id for plan in plans}
+        done = [r for r in self.engine.poll() if r.job_id in ids]
+        results = [next((r for r in done if r.job_id == plan.job_id),
+                        TransferResult(plan.job_id, False, 0, 0.0, "no result after close"))
+                   for plan in plans]
+        wrong = self.model.differs(self.engine, self.gpu) or (
+            None if len(done) == len(plans) else f"{len(done)} results for {len(plans)} jobs")
+        enforce([TransferOutcomeRecord(plan.job_id, n, r.success, r.bytes, r.error, wrong)
+                 for plan, n, r in zip(plans, planned, results, strict=True)], self.checked)
+
     def bounce(self, name: str, twin: object, expect: Expect, job: int) -> None:
         """One bad twin through ``validate`` and then ``submit`` (A1)."""
         raised: BaseException | None = None
@@ -412,6 +431,9 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
             if job % 40 == 0:
                 _rebinds(bench, rng, cases + job)
         _read_back(bench)
+        tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
+                for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
+        bench.run_then_close(*tail)
     finally:
         bench.engine.close()
 

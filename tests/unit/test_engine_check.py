@@ -198,3 +198,16 @@ def test_a_misaligned_buffer_error_carries_its_bound(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(_memory, "_check_buffer", bad)
     monkeypatch.setattr(_setup, "_check_buffer", bad)
     assert "misaligned" in caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_close_that_drops_jobs_on_the_stream_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the worker stops without retiring the jobs still on the stream when its
+    queue ends, so ``close()`` reports them failed ("transfer worker stopped") instead of
+    finishing them as documented. The stage closes with a burst in flight (X2)."""
+    from refinement.test_refinement_mutants import mutated
+    monkeypatch.setattr(_engine.TransferEngine, "_worker", mutated(
+        _engine.TransferEngine._worker, "        while flight:\n",
+        "        while False:\n"))
+    assert "transfer worker stopped" in caught(
+        "X2", lambda: _enginecheck.run_transfer_engine(preset(DEFAULT),
+                                                       _enginecheck.ENGINE_CASES, {}))
