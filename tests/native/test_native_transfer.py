@@ -452,3 +452,57 @@ def test_wait_returns_results_and_leaves_them_for_poll() -> None:
         assert {r.job_id: r.success for r in waited} == {1: True, 2: False}
         assert sorted(r.job_id for r in engine.poll()) == [1, 2]
         assert engine.poll() == []
+
+
+def test_a_descriptor_index_maps_to_its_plan_group() -> None:
+    """A C refusal names the plan's group through ``_Job.group_of`` (descriptor index to
+    group); Python refuses every fault it knows first, so only this reaches it on CPU.
+    Mutant: ``bisect_right(...) - 0`` (every index one group too far, an empty group's
+    neighbour named). Checked against the counts, per index, for random valid plans."""
+    import random
+
+    from kvcore import _enginecheck
+    from kvcore.presets import preset
+    from kvcore.transfer import TransferEngine, cpu_capacity
+    cfg = _enginecheck._layout(preset("deepseek-v4-mtp"))
+    rng = random.Random(7)
+    gpu = _enginecheck._tensors(cfg, rng)
+    caps = tuple(cpu_capacity(cfg, g) for g in range(len(cfg.groups)))
+    with TransferEngine(cfg, gpu) as engine:
+        seen_empty = False
+        for job in range(1, 60):
+            plan = _enginecheck._valid_plan(rng, job, cfg, caps)
+            prepared = engine._prepare(plan)
+            want = [g for g, gt in enumerate(plan.groups)
+                    for _ in range(len(gt.gpu_block_ids) * len(gpu[g]))]
+            seen_empty |= any(not gt.gpu_block_ids for gt in plan.groups)
+            assert [prepared.group_of(i) for i in range(len(want))] == want
+        assert seen_empty  # an empty group between two others is among the plans
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_worker_that_dies_fails_its_pending_jobs_instead_of_hanging_waiters() -> None:
+    """If the worker thread dies (a kvcore bug, not a bad plan: those fail one job), every
+    job still pending is reported failed, "transfer worker stopped", so ``wait`` returns
+    instead of hanging. Mutant: the cleanup loop over pending jobs removed (the wait
+    times out)."""
+    import random
+
+    from kvcore import _enginecheck
+    from kvcore.presets import preset
+    from kvcore.transfer import TransferEngine, cpu_capacity
+    cfg = _enginecheck._layout(preset("deepseek-v4-mtp"))
+    rng = random.Random(3)
+    gpu = _enginecheck._tensors(cfg, rng)
+    caps = tuple(cpu_capacity(cfg, g) for g in range(len(cfg.groups)))
+    engine = TransferEngine(cfg, gpu)
+
+    def dies(*args: object) -> object:
+        raise RuntimeError("injected: the worker dies")
+
+    engine._execute = dies  # type: ignore[method-assign]
+    plan = _enginecheck._valid_plan(rng, 1, cfg, caps)
+    engine.submit(plan)
+    (result,) = engine.wait([plan.job_id], timeout=10)
+    assert not result.success and result.error == "transfer worker stopped"
+    engine.close()
