@@ -261,9 +261,8 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
             finally:
                 if sim is not None:
                     sim.transfer.close()
-                    for source in (sim.scheduler.checked, sim.checked, sim.manager.checked):
-                        for key, n in source.items():
-                            result.checked[key] = result.checked.get(key, 0) + n
+                    _add_counts(result.checked,
+                                [sim.scheduler.checked, sim.checked, sim.manager.checked])
 
 
 def run_machine(config: OffloadConfig, examples: int, steps: int, result: BatteryResult,
@@ -321,11 +320,17 @@ def run_directed(config: OffloadConfig, result: BatteryResult, *, preset: str = 
                     "directed", scenario.__name__)
                 return
             finally:
-                for sched in made:
-                    for source in (getattr(sched, "checked", {}),
-                                   getattr(getattr(sched, "manager", None), "checked", {})):
-                        for key, n in source.items():
-                            result.checked[key] = result.checked.get(key, 0) + n
+                _add_counts(result.checked, [c for sched in made for c in (
+                    getattr(sched, "checked", {}),
+                    getattr(getattr(sched, "manager", None), "checked", {}))])
+
+
+def _add_counts(into: dict[str, int], sources: list[dict[str, int]]) -> None:
+    """Add each distinct count dict of ``sources`` to ``into`` once (two schedulers of a
+    scenario may share one tier)."""
+    for source in {id(s): s for s in sources}.values():
+        for key, n in source.items():
+            into[key] = into.get(key, 0) + n
 
 
 def _counting(factory: Any, made: list[Any]) -> Callable[..., Any]:

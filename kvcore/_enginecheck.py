@@ -318,36 +318,24 @@ class _Bench:
                                                   range(len(cfg.groups))),
                    tuple(g.blocks_per_chunk for g in cfg.groups), checked)
 
-    def run(self, *plans: TransferPlan) -> None:
+    def run(self, *plans: TransferPlan, close: bool = False) -> None:
         """Valid plans, all submitted before any is waited for: each carried out whole,
-        and every pool equals the model after them, applied in submission order (X2)."""
+        and every pool equals the model after them, applied in submission order (X2).
+        With ``close``, ``close()`` follows the submits at once: it finishes queued jobs
+        (docs/native.md), those still on the stream when the worker's queue ends too."""
         if not plans:
             return
         planned = [self.model.apply(plan, self.bpc) for plan in plans]
         for plan in plans:
             _valid(f"submit: valid plan {plan.job_id}", partial(self.engine.submit, plan),
                    self.checked)
-        results = self._finished(*(plan.job_id for plan in plans))
+        jobs = tuple(plan.job_id for plan in plans)
+        if close:
+            self.engine.close()
+            results = _one_each(jobs, [r for r in self.engine.poll() if r.job_id in jobs])
+        else:
+            results = self._finished(*jobs)
         wrong = self.model.differs(self.engine, self.gpu)
-        enforce([TransferOutcomeRecord(plan.job_id, n, r.success, r.bytes, r.error, wrong)
-                 for plan, n, r in zip(plans, planned, results, strict=True)], self.checked)
-
-    def run_then_close(self, *plans: TransferPlan) -> None:
-        """Valid plans submitted, then ``close()`` at once: close finishes queued jobs
-        (docs/native.md), so each is reported done, once, and copied whole (X2), also
-        those still on the stream when the worker's queue ends."""
-        planned = [self.model.apply(plan, self.bpc) for plan in plans]
-        for plan in plans:
-            _valid(f"submit: valid plan {plan.job_id}", partial(self.engine.submit, plan),
-                   self.checked)
-        self.engine.close()
-        ids = {plan.job_id for plan in plans}
-        done = [r for r in self.engine.poll() if r.job_id in ids]
-        results = [next((r for r in done if r.job_id == plan.job_id),
-                        TransferResult(plan.job_id, False, 0, 0.0, "no result after close"))
-                   for plan in plans]
-        wrong = self.model.differs(self.engine, self.gpu) or (
-            None if len(done) == len(plans) else f"{len(done)} results for {len(plans)} jobs")
         enforce([TransferOutcomeRecord(plan.job_id, n, r.success, r.bytes, r.error, wrong)
                  for plan, n, r in zip(plans, planned, results, strict=True)], self.checked)
 
@@ -379,11 +367,7 @@ class _Bench:
         except TimeoutError:  # a job never reported: failed below, not a hang
             done = [r for r in self.engine.poll() if r.job_id in jobs]
         self.engine.poll()
-        by_job = {r.job_id: r for r in done}
-        reported = Counter(r.job_id for r in done)
-        return [by_job[j] if reported[j] == 1
-                else TransferResult(j, False, 0, 0.0, f"{reported[j]} results reported")
-                for j in jobs]
+        return _one_each(jobs, done)
 
     def record(self, call: str, raised: str | None, kvcore_error: bool,
                mismatch: str) -> None:
@@ -433,9 +417,19 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
         _read_back(bench)
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
-        bench.run_then_close(*tail)
+        bench.run(*tail, close=True)
     finally:
         bench.engine.close()
+
+
+def _one_each(jobs: Sequence[int], done: list[TransferResult]) -> list[TransferResult]:
+    """Each job's one result, in the order of ``jobs``; a job reported no result, or
+    more than one, as a failed one."""
+    by_job = {r.job_id: r for r in done}
+    reported = Counter(r.job_id for r in done)
+    return [by_job[j] if reported[j] == 1
+            else TransferResult(j, False, 0, 0.0, f"{reported[j]} results reported")
+            for j in jobs]
 
 
 def _read_back(bench: _Bench) -> None:

@@ -127,9 +127,13 @@ class Hostile:
             return f"names {raised.argument!r}; the bad id is in {argument}..."
         return ""
 
-    def _tables(self, tables: Any, group: int, value: object) -> tuple[tuple[Any, ...], ...]:
+    def _tables(self, tables: Any, group: int, value: object, index: int = 0
+                ) -> tuple[tuple[Any, ...], ...]:
+        """``tables`` with ``value`` at ``index`` of ``group``'s (an empty one gets it)."""
         out = [tuple(t) for t in tables]
-        out[group] = (value, *out[group][1:]) if out[group] else (value,)
+        row = list(out[group]) or [value]
+        row[index] = value
+        out[group] = tuple(row)
         return tuple(out)
 
     # -- the hooks -------------------------------------------------------------------------
@@ -234,16 +238,8 @@ class Hostile:
                 continue
             start = next((i for i in range(valid[g], end) if table[i]), end)
             if end - start >= 2:
-                return self._tables_at(tables, g, end - 1, 0)
+                return self._tables(tables, g, 0, end - 1)
         return None
-
-    def _tables_at(self, tables: Any, group: int, index: int, value: object
-                   ) -> tuple[tuple[Any, ...], ...]:
-        out = [tuple(t) for t in tables]
-        row = list(out[group])
-        row[index] = value
-        out[group] = tuple(row)
-        return tuple(out)
 
     def build_step(self, step: StepInput) -> Any:
         self._bounce(self._step_twins(step))
