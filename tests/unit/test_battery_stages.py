@@ -35,9 +35,15 @@ def stage(lockstep: bool = False, seeds: int = 2) -> _check.BatteryResult:
 
 
 def test_the_unchecked_fast_path_meets_the_lock_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``_chunk_completed`` always answers no, so with checks off nothing is ever
-    stored; with checks on the full path runs and hides it. Seed 1 runs unchecked."""
-    monkeypatch.setattr(OffloadScheduler, "_chunk_completed", lambda self, req, s: False)
+    """Mutant: ``quiet_cursors`` misses a kept chunk, so with checks off the cursor passes
+    window chunks a lookup reads without storing them; with checks on the full path runs
+    and hides it. Seed 1 runs unchecked."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.scheduler import _rules, scheduler
+    monkeypatch.setattr(scheduler, "quiet_cursors", mutated(
+        _rules.quiet_cursors, "if chunk % period in kept:",
+        "if chunk % period in kept and chunk < 0:"))
     result = stage(lockstep=True)
     assert result.failure is not None and result.failure.ids == ["R1"], result.failure
     assert result.failure.seed == "1"
@@ -166,16 +172,18 @@ def test_hashes_sent_with_the_step_are_counted(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_tier_churn_names_a_ready_key_marked_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``complete_store``'s skip test ``and`` for ``or``, so a key READY before
-    the store is marked again (a second stored event, its pool's run grows) and an absent
-    key raises. Churn completions also list READY, repeated and absent keys; the shadow
-    names it (M2)."""
+    """Mutant: ``complete_store`` skips only absent keys, not those READY before the
+    store, so a READY key is marked again (a second stored event, its pool's run grows).
+    Churn completions also list READY, repeated and absent keys; the shadow names it
+    (M2)."""
     from refinement.test_refinement_mutants import mutated
 
     from kvcore import _scenarios
     monkeypatch.setattr(CPUOffloadManager, "complete_store", mutated(
-        CPUOffloadManager.complete_store, "if entry is None or entry.ready:",
-        "if entry is None and entry.ready:"))
+        CPUOffloadManager.complete_store,
+        "if key not in writing:\n            continue  # READY before this store, or absent: "
+        "not this store's key\n        writing.remove(key)",
+        "if key not in entries:\n            continue\n        writing.discard(key)"))
     with pytest.raises(InvariantViolation, match="M2"):
         _scenarios.tier_churn(OffloadScheduler, preset(DEFAULT))
 
