@@ -264,6 +264,44 @@ def group_offer(cfg: OffloadConfig, group: int, cursor: int, frontier: int, stor
     return GroupOffer(cursor, end, tuple(offered), skipped)
 
 
+StoreShape = tuple[tuple[int, bool, "tuple[int, KeptOffsets] | None"], ...]
+
+
+def store_shape(cfg: OffloadConfig) -> StoreShape:
+    """Per group (tokens per chunk, draft, keep rule): what ``quiet_cursors`` reads, built
+    once per scheduler (the config is frozen)."""
+    return tuple((g.tokens_per_chunk, g.is_draft, keep_rule(cfg, i))
+                 for i, g in enumerate(cfg.groups))
+
+
+def quiet_cursors(shape: StoreShape, cursors: Sequence[int], frontier: int,
+                  storable: int) -> list[int] | None:
+    """The cursors after a step in which no group has a chunk to offer, else None.
+
+    Most decode steps of a layout with small window chunks (DeepSeek-V4's 4-token
+    compressor state) complete a chunk the keep rule skips: ``group_offer`` would offer
+    nothing and move the cursor to the store end. This answers that in O(groups) without
+    building offers; None (some group has a chunk it could offer, or passes more than a
+    segment) sends the caller down the full path, which also judges null blocks.
+    """
+    moved = list(cursors)
+    for group, (tokens, draft, rule) in enumerate(shape):
+        end = storable // tokens
+        if draft:
+            end = min(end, max(frontier // tokens - 1, 0))
+        cursor = moved[group]
+        if end <= cursor:
+            continue
+        if rule is None or end - cursor >= rule[0]:
+            return None
+        period, kept = rule
+        for chunk in range(cursor, end):
+            if chunk % period in kept:
+                return None
+        moved[group] = end
+    return moved
+
+
 def chunk_source_blocks(table: Sequence[int], chunk: int, blocks_per_chunk: int
                         ) -> tuple[int, tuple[int, ...]]:
     """(first position, ids) of a chunk's GPU blocks.

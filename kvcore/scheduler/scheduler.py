@@ -27,7 +27,14 @@ from kvcore.scheduler._lookup import (
     reach_chunks,
     read_blocks,
 )
-from kvcore.scheduler._rules import load_plan, needed_chunks, served_chunks, storable_prefix
+from kvcore.scheduler._rules import (
+    load_plan,
+    needed_chunks,
+    quiet_cursors,
+    served_chunks,
+    storable_prefix,
+    store_shape,
+)
 from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
 from kvcore.spec.errors import (
     ArgumentRangeError,
@@ -112,7 +119,7 @@ class OffloadScheduler:
         self._queued_loads: list[TransferPlan] = []
         self._stale = StaleWindows()
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
-        self._chunk_tokens = tuple(g.tokens_per_chunk for g in config.groups)
+        self._store_shape = store_shape(config)
         self._stamp = array("q", (0,))  # the step a window position is placed at
         self._read_blocks = read_blocks(config)
         self._hash_len: int | None = None  # fixed by the first hash accepted
@@ -455,10 +462,14 @@ class OffloadScheduler:
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
         storable = storable_prefix(self.config, frontier, req.prompt_tokens,
                                    req.max_offload_tokens)
-        if not self.check and not self._chunk_completed(req, storable):
-            # Most decode steps complete no chunk: no offer, no cursor moves, no records
-            # to check (with checks on the full path runs, to hand E1/E2 their records).
-            return None
+        if not self.check:
+            # Most decode steps complete no chunk, or only chunks the keep rule skips: no
+            # offer, at most cursor moves, no records to check (with checks on the full
+            # path runs, to hand E1/E2 their records).
+            quiet = quiet_cursors(self._store_shape, req.cursors, frontier, storable)
+            if quiet is not None:
+                req.cursors = quiet
+                return None
         draft = _store.draft_store(self.config, req, frontier, self._stale, storable)
         if not draft.keys:
             self._move_cursors(req, draft)
@@ -489,14 +500,6 @@ class OffloadScheduler:
             self._enforce([*_store.store_records(self.config, draft, built, req.cursors),
                            JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id))])
         return built.plan
-
-    def _chunk_completed(self, req: RequestState, storable: int) -> bool:
-        """Whether any group has a chunk at or past its cursor inside the storable prefix
-        ``storable`` (``draft_store`` offers nothing otherwise)."""
-        for tokens, cursor in zip(self._chunk_tokens, req.cursors, strict=True):
-            if storable // tokens > cursor:
-                return True
-        return False
 
     @staticmethod
     def _move_cursors(req: RequestState, draft: _store.StoreDraft) -> None:
