@@ -75,7 +75,10 @@ class RequestState:
     skip_reading: bool
     hashes: list[bytes]
     keys: list[GroupKeys]
-    tables: list[list[int]]
+    # Block tables as int64 arrays, not lists: 8 bytes a position and nothing for the
+    # cyclic garbage collector to walk (lists of a 128K-token request's 50K ids, times 256
+    # requests, made each full collection 60 ms longer).
+    tables: list[array[int]]
     cursors: list[int]
     jobs: set[int] = field(default_factory=set)
     finished: bool = False
@@ -90,7 +93,7 @@ class RequestState:
     def clear_tables(self) -> None:
         """Forget every block table (the engine resends them whole)."""
         n = len(self.tables)
-        self.tables = [[] for _ in range(n)]
+        self.tables = [array("q") for _ in range(n)]
         self.placed = [array("q") for _ in range(n)]
 
     @classmethod
@@ -101,7 +104,7 @@ class RequestState:
         n = len(cfg.groups)
         keys = [GroupKeys(hashes, cfg.hashes_per_chunk(g), g) for g in range(n)]
         return cls(request_id, prompt_tokens, max_offload_tokens, skip_reading, hashes,
-                   keys, [[] for _ in range(n)], [0] * n,
+                   keys, [array("q") for _ in range(n)], [0] * n,
                    placed=[array("q") for _ in range(n)])
 
 
@@ -214,7 +217,7 @@ class StaleWindows:
         for gpu_id in allocated:
             at[gpu_id] = step
 
-    def zero_stale(self, table: list[int], placed: array[int], lo: int, hi: int) -> None:
+    def zero_stale(self, table: array[int], placed: array[int], lo: int, hi: int) -> None:
         """Zero the stale ids of ``table[lo:hi]`` (``placed`` is non-decreasing: tables
         only grow, one step after another, so positions placed this step are skipped)."""
         step, at = self.step, self.allocated_at

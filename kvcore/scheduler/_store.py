@@ -74,6 +74,9 @@ class BuiltStore:
     other_sources: frozenset[int]
 
 
+_NOTHING = GroupTransfer()
+
+
 def build_store(cfg: OffloadConfig, req: RequestState, draft: StoreDraft, job_id: int,
                 accepted: dict[Key, int]) -> BuiltStore:
     """The plan for the keys the manager accepted (``accepted``: key -> CPU slot)."""
@@ -82,6 +85,12 @@ def build_store(cfg: OffloadConfig, req: RequestState, draft: StoreDraft, job_id
     window: set[int] = set()
     other: set[int] = set()
     for group, offer in enumerate(draft.offers):
+        if not offer.offered:
+            # Most groups of a decode store offer nothing: one shared empty transfer
+            # instead of a frozen dataclass built per group (equal, and immutable).
+            groups.append(_NOTHING)
+            positions.append(())
+            continue
         bpc = cfg.groups[group].blocks_per_chunk
         ids: list[int] = []
         pos: list[int] = []
