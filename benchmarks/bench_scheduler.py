@@ -12,7 +12,9 @@ next step with a rebuilt table), finishes one and admits a request with the fini
 one's prompt (lookup, load, then decode). Timings are thread CPU time
 (``time.thread_time``), because the machine is shared.
 
-Per configuration the benchmark prints mean / p50 / p99 of the step, the mean of steps
+Per configuration the benchmark prints mean / p50 / p99 of the step, the garbage
+collector's share of it (``gc ms``: collections that landed inside the timed decode part,
+mean per step; they are in the step figures too), the mean of steps
 in which more than the usual number of requests store (the storing-step ratio is their
 mean over the mean of steps storing fewer), the work counters per step (stores, keys
 stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of a fresh
@@ -34,14 +36,20 @@ vLLM / kvcore (> 1: kvcore is faster): decode mean per step, cold and warm looku
 SUMMARY adds ``decode_vs_vllm_128k`` and ``lookup_vs_vllm_128k`` (cold) for the first
 configuration (DeepSeek-V4 at the longest context).
 
-The admission (finish, add, lookup, load, prefill store) is timed apart from the decode
-part on both sides, since its cost follows the prompt length by nature.
+The admission (finish, add, lookup, load, prefill store and the completion of its jobs)
+is timed apart from the decode part on both sides, since its cost follows the prompt
+length by nature. The decode part is the scheduler's work: the completions of the last
+step's jobs and the step itself (kvcore: building each ``ScheduledRequest``, whose
+checks are kvcore's, and ``build_step``; vLLM: ``build_connector_meta``). The engine's own
+bookkeeping (the ``Pool``'s block tables and the synthetic hashes) is the same code on
+both sides and is not timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import platform
 import pstats
@@ -68,6 +76,26 @@ HASH_PAD = bytes(24)  # hashes are 32 bytes, like vLLM's sha256 block hashes
 
 def hash_of(seed: int, index: int) -> bytes:
     return seed.to_bytes(4, "little") + index.to_bytes(4, "little") + HASH_PAD
+
+
+class GcClock:
+    """Seconds the cyclic garbage collector has run so far (all generations), from
+    ``gc.callbacks``: a collection lands in whichever span allocates when it is due, so
+    the decode figures include the collections that land in them and print them beside."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._start
+
+
+GC = GcClock()
 
 
 def rss_bytes() -> int:
@@ -224,16 +252,22 @@ class Engine:
         self.pending.extend(WorkerReport(0, j.job_id) for j in jobs)
 
     def step(self) -> float:
-        """One engine step; returns the thread CPU time of its decode part (completions,
-        preemption and ``build_step``) in seconds; admission goes to ``admit_s``."""
-        start = time.thread_time()
+        """One engine step; returns the thread CPU time of its decode part in seconds: the
+        completions, building the step's ``ScheduledRequest``s and ``build_step``. The
+        admission (finish, add, lookup, load, prefill store and its completion) goes to
+        ``admit_s``; the engine's own bookkeeping (block tables, hashes) is not timed, on
+        either side."""
         sched = self.sched
+        gc0, start = GC.total, time.thread_time()
         sched.worker_output(self.pending)
+        elapsed = time.thread_time() - start
+        self.gc_s = GC.total - gc0
         self.pending = []
         self.counter += 1
         admit = time.thread_time()
         order = list(self.live.values())
-        # Finish one request and admit its prompt again under a new id (prefix reuse).
+        # Finish one request and admit its prompt again under a new id (prefix reuse);
+        # its jobs complete within the admission, as on the vLLM side.
         done = order[self.counter % len(order)]
         if done.rid != self.preempted:
             sched.request_finished(done.rid)
@@ -241,11 +275,12 @@ class Engine:
             del self.live[done.rid]
             self.prefill(Live(f"{done.rid.split('.')[0]}.{self.counter}", done.seed,
                               done.tokens))
+            self.complete()
         self.admit_s = time.thread_time() - admit
         resumed, self.preempted = self.preempted, order[(self.counter * 7) % len(order)].rid
         if self.preempted == done.rid:
             self.preempted = None
-        step = []
+        todo = []
         for live in self.live.values():
             if live.rid == self.preempted:
                 self.pool.release(live)
@@ -256,14 +291,19 @@ class Engine:
                 blocks = self.pool.resume_tables(live, n + SPEC_TOKENS)
             else:
                 blocks = self.pool.grow(live, n + SPEC_TOKENS)
-            step.append(ScheduledRequest(live.rid, 1 + SPEC_TOKENS, n - 1, n, blocks,
-                                         self.new_hashes(live), resumed=is_resumed))
+            todo.append((live.rid, n, blocks, self.new_hashes(live), is_resumed))
             live.tokens = n + 1 + SPEC_TOKENS
         pre = (self.preempted,) if self.preempted else ()
-        plan = sched.build_step(StepInput(tuple(step), pre, frozenset(self.pool.allocated)))
+        allocated = frozenset(self.pool.allocated)
+        gc0, start = GC.total, time.thread_time()
+        step = tuple(ScheduledRequest(rid, 1 + SPEC_TOKENS, n - 1, n, blocks, hashes,
+                                      resumed=is_resumed)
+                     for rid, n, blocks, hashes, is_resumed in todo)
+        plan = sched.build_step(StepInput(step, pre, allocated))
+        elapsed += time.thread_time() - start
+        self.gc_s += GC.total - gc0
         self.pool.allocated.clear()
         self.settle(plan)
-        elapsed = time.thread_time() - start - self.admit_s
         self.work["stores"] += len(plan.stores)
         self.work["keys"] += sum(len(p.keys) for p in plan.stores)
         self.work["flushes"] += len(plan.flush)
@@ -335,12 +375,13 @@ def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str,
     loads0 = eng.sched.stats().loads
     times: list[list[float]] = [[] for _ in sides]
     stores: list[list[int]] = [[] for _ in sides]
-    admits = []
+    admits, gcs = [], []
     for _ in range(args.steps):  # interleaved: a busy machine slows both alike
         for i, side in enumerate(sides):
             times[i].append(side.step())
             stores[i].append(side.last_stores)
         admits.append(eng.admit_s)
+        gcs.append(eng.gc_s)
     # The probe asks for the latest admitted prompt once its stores have landed (a
     # lookup while they are in flight answers PENDING, which is not the cost measured).
     for side in sides:
@@ -352,13 +393,14 @@ def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str,
     out: dict[str, Any] = summarize(times[0], stores[0], args.requests)
     cold = statistics.median(p[0][0] for p in probes) * 1e3
     warm = statistics.median(p[0][1] for p in probes) * 1e3
-    out |= {"admit": statistics.mean(admits) * 1e3, "cold": cold, "warm": warm, "hit": hit,
+    out |= {"admit": statistics.mean(admits) * 1e3, "gc": statistics.mean(gcs) * 1e3,
+            "cold": cold, "warm": warm, "hit": hit,
             "bph": eng.bytes_per_hash,
             "stores": eng.work["stores"] / steps, "keys": eng.work["keys"] / steps,
             "flushes": eng.work["flushes"] / steps,
             "loads": (eng.sched.stats().loads - loads0) / steps}
     print(f"| {LAYOUTS[layout]:16} | {context:>7} | {out['mean']:6.2f} | {out['p50']:6.2f} | "
-          f"{out['p99']:6.2f} | {out['us_req']:6.1f} | {out['admit']:6.2f} | "
+          f"{out['p99']:6.2f} | {out['us_req']:6.1f} | {out['gc']:5.2f} | {out['admit']:6.2f} | "
           f"{out['storing_ratio']:5.2f} | "
           f"{out['stores']:6.1f} | {out['keys']:7.1f} | {out['flushes']:5.1f} | "
           f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {hit!s:>7} | {out['bph']:6.0f} |",
@@ -433,7 +475,8 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"python {platform.python_version()}; {args.requests} requests decoding "
           f"1+{SPEC_TOKENS} tokens/step, {args.steps} steps, thread CPU time")
-    print("| layout           | context | mean ms | p50 | p99 | us/req | admit ms | store x | "
+    print("| layout           | context | mean ms | p50 | p99 | us/req | gc ms | admit ms | "
+          "store x | "
           "stores | keys | flush | load | cold ms | warm ms | hit | B/hash |")
     # Longest context first: the RSS growth of the first set-up is the honest memory
     # figure (later set-ups reuse pages the process already holds).
