@@ -117,7 +117,7 @@ def prepare_store_safe(capacity: int, policy: int, ops: list[int], call: int) ->
 
 
 EVICTS_PINNED = mutant("kvcore.manager._cpu:CPUOffloadManager._choose",
-                       "lambda k: entries[k].pins == 0 and k not in protected",
+                       "lambda k: k not in pins and k not in protected",
                        "lambda k: k not in protected",
                        "victims are chosen without the pin check")
 

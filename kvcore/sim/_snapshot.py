@@ -13,6 +13,7 @@ left out (its cached properties fill in lazily, which is not a state change).
 from __future__ import annotations
 
 import enum
+from array import array
 from collections import deque
 from typing import Any
 
@@ -48,6 +49,8 @@ def _plain(value: object, path: tuple[int, ...]) -> Any:
         if _flat(value):
             return (type(value).__name__, tuple(value))
         return (type(value).__name__, tuple(_plain(v, path) for v in value))
+    if isinstance(value, array):  # block tables and stamps: no __dict__, no __slots__
+        return ("array", value.typecode, tuple(value))
     if isinstance(value, set | frozenset):
         if _flat(value):
             return ("set", tuple(sorted(value, key=repr)))

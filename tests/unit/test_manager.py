@@ -342,7 +342,7 @@ def test_an_unpin_error_says_how_many_pins_the_key_holds(
         releases: int) -> None:
     """The error carries the pin count it compared with the releases asked for, so an
     engine can tell a double release from a release of a key it never loaded. Kills a
-    wrong count for an absent key (``pins = 1 if entry is None``)."""
+    wrong count for an absent key (``held = 1`` when the key has no pins)."""
     m = _prepared(make(4))
     with pytest.raises(NotPinnedError) as info:
         m.complete_load(k(*keys))
