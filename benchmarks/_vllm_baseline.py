@@ -193,19 +193,30 @@ class VllmEngine:
 
     def complete(self) -> None:
         """The workers report every job of the last build (vLLM's completion path)."""
+        output = self.output()
+        if output is not None:
+            self.conn.update_connector_output(output)
+
+    def output(self) -> Any:
+        """The workers' report of every job so far (what they send; not the scheduler's
+        work, as kvcore's WorkerReports are built untimed), or None when there is none."""
         if not self.jobs:
-            return
+            return None
         meta = OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(self.jobs, 1))
-        self.conn.update_connector_output(KVConnectorOutput(
-            finished_recving=self.recv, kv_connector_worker_meta=meta))
+        output = KVConnectorOutput(finished_recving=self.recv, kv_connector_worker_meta=meta)
         self.jobs, self.recv = [], set()
+        return output
 
     def build(self, out: SchedulerOutput) -> Any:
         meta = self.conn.build_connector_meta(out)
+        self.note(meta)
+        return meta
+
+    def note(self, meta: Any) -> None:
+        """Hand the built jobs to the workers (the benchmark's bookkeeping)."""
         self.jobs.extend([*meta.load_jobs, *meta.store_jobs])
         self.recv.update(t.req_id for t in meta.load_jobs.values())
         self.work["loads"] += len(meta.load_jobs)  # admission's too, as kvcore's stats()
-        return meta
 
     def blocks(self, live: VLive) -> KVCacheBlocks:
         return KVCacheBlocks(tuple([KVCacheBlock(b, is_null=b == 0) for b in t]
@@ -249,8 +260,10 @@ class VllmEngine:
     def step(self) -> float:
         """One engine step; thread CPU time of its decode part (as the kvcore side): the
         completions and ``build_connector_meta``, not the engine's own bookkeeping."""
+        output = self.output()
         start = time.thread_time()
-        self.complete()
+        if output is not None:
+            self.conn.update_connector_output(output)
         elapsed = time.thread_time() - start
         self.counter += 1
         admit = time.thread_time()
@@ -267,8 +280,9 @@ class VllmEngine:
             self.preempted = None
         out = self.decode_output(resumed)
         start = time.thread_time()
-        meta = self.build(out)
+        meta = self.conn.build_connector_meta(out)
         elapsed += time.thread_time() - start
+        self.note(meta)
         for live in self.live.values():
             if live.rid != self.preempted:
                 live.req.num_computed_tokens = live.tokens - 1 + 1 + self.spec

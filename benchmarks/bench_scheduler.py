@@ -42,7 +42,9 @@ length by nature. The decode part is the scheduler's work: the completions of th
 step's jobs and the step itself (kvcore: building each ``ScheduledRequest``, whose
 checks are kvcore's, and ``build_step``; vLLM: ``build_connector_meta``). The engine's own
 bookkeeping (the ``Pool``'s block tables and the synthetic hashes) is the same code on
-both sides and is not timed.
+both sides and is not timed in the decode part (the admission span holds it, on both
+sides alike); nor are the workers' reports (kvcore's ``WorkerReport``s, vLLM's
+``KVConnectorOutput``), which the workers build.
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def hash_of(seed: int, index: int) -> bytes:
 
 
 class GcClock:
-    """Seconds the cyclic garbage collector has run so far (all generations), from
-    ``gc.callbacks``: a collection lands in whichever span allocates when it is due, so
-    the decode figures include the collections that land in them and print them beside."""
+    """Thread CPU seconds the cyclic garbage collector has run so far (all generations),
+    from ``gc.callbacks``, on the clock the steps are timed with: a collection lands in
+    whichever span allocates when it is due (and walks both sides' objects: one heap),
+    so the decode figures include the collections that land in them, printed beside."""
 
     def __init__(self) -> None:
         self.total = 0.0
@@ -90,9 +93,9 @@ class GcClock:
 
     def _tick(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._start = time.perf_counter()
+            self._start = time.thread_time()
         else:
-            self.total += time.perf_counter() - self._start
+            self.total += time.thread_time() - self._start
 
 
 GC = GcClock()
@@ -294,8 +297,9 @@ class Engine:
             todo.append((live.rid, n, blocks, self.new_hashes(live), is_resumed))
             live.tokens = n + 1 + SPEC_TOKENS
         pre = (self.preempted,) if self.preempted else ()
-        allocated = frozenset(self.pool.allocated)
         gc0, start = GC.total, time.thread_time()
+        # allocated_ids is kvcore's input alone (vLLM's connector takes none): timed here.
+        allocated = frozenset(self.pool.allocated)
         step = tuple(ScheduledRequest(rid, 1 + SPEC_TOKENS, n - 1, n, blocks, hashes,
                                       resumed=is_resumed)
                      for rid, n, blocks, hashes, is_resumed in todo)
@@ -436,12 +440,23 @@ def print_vllm(vllm: Any, res: dict[tuple[str, int], dict[str, Any]]) -> None:
 
 
 def profile(eng: Engine) -> None:
-    """cProfile of one decode step and one cold lookup (top entries by own time)."""
-    for name, fn in (("decode step", eng.step), ("cold lookup", lambda: eng.lookups(1))):
+    """cProfile of one engine step (its admission included: the decode part alone is too
+    small to read beside it) and of one cold lookup (``add_request`` and ``lookup`` only:
+    the probe's hashes are made before), top entries by own time."""
+    eng.complete()
+    seed, tokens = eng.probe()
+    hashes = tuple(hash_of(seed, i) for i in range(tokens // eng.hbt))
+
+    def cold() -> None:
+        eng.sched.add_request(RequestInfo("profiled", tokens, hashes))
+        eng.sched.lookup("profiled", 0, tokens)
+
+    for name, fn in (("engine step", eng.step), ("cold lookup", cold)):
         prof = cProfile.Profile()
         prof.runcall(fn)
         print(f"-- profile: one {name} --")
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    eng.sched.request_finished("profiled")
 
 
 def load_vllm() -> Any:

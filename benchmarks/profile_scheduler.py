@@ -3,8 +3,8 @@ own engine loop (``bench_scheduler.Engine``), so the profile is of the work it t
 
 ``bench_scheduler.py --profile`` prints one step; this prints several steps (one step's
 profile is mostly noise at a few ms) and splits the step into its parts (the workers'
-completions, the engine-side block bookkeeping, ``build_step``) by thread CPU time,
-so a change can be measured on the part it targets.
+completions, ``build_step``; the rest of ``step`` is building the ScheduledRequests) by
+thread CPU time, so a change can be measured on the part it targets.
 """
 
 from __future__ import annotations
@@ -24,20 +24,18 @@ from bench_scheduler import Engine
 
 def parts(eng: Engine, steps: int) -> dict[str, float]:
     """Mean ms per step of the decode step's parts, as the benchmark times it: the
-    scheduler's ``worker_output`` and ``build_step``, and the engine model's own block
-    and hash bookkeeping (``engine``), all outside the admission (timed apart)."""
+    scheduler's ``worker_output`` and ``build_step`` outside the admission (timed apart,
+    its jobs' completion included); ``step`` also holds building the ScheduledRequests."""
     sched = eng.sched
-    spent = dict.fromkeys(("worker_output", "build_step", "engine"), 0.0)
+    spent = dict.fromkeys(("worker_output", "build_step"), 0.0)
     admitting = [False]
-    wrapped = {"worker_output": (sched, "worker_output"), "build_step": (sched, "build_step"),
-               "grow": (eng.pool, "grow"), "resume_tables": (eng.pool, "resume_tables"),
-               "release": (eng.pool, "release"), "new_hashes": (eng, "new_hashes")}
+    wrapped = {"worker_output": (sched, "worker_output"), "build_step": (sched, "build_step")}
     originals = {name: getattr(obj, attr) for name, (obj, attr) in wrapped.items()}
-    admit = eng.prefill
+    admit, complete = eng.prefill, eng.complete
 
     def timed(name: str):  # type: ignore[no-untyped-def]
         fn = originals[name]
-        part = name if name in spent else "engine"
+        part = name
 
         def run(*a, **k):  # type: ignore[no-untyped-def]
             t0 = time.thread_time()
@@ -50,20 +48,25 @@ def parts(eng: Engine, steps: int) -> dict[str, float]:
 
     def prefill(live):  # type: ignore[no-untyped-def]
         admitting[0] = True
+        admit(live)
+
+    def completed():  # type: ignore[no-untyped-def]
+        # Engine.step completes the admission's jobs right after its prefill.
         try:
-            admit(live)
+            complete()
         finally:
             admitting[0] = False
 
     for name, (obj, attr) in wrapped.items():
         setattr(obj, attr, timed(name))
     eng.prefill = prefill  # type: ignore[method-assign]
+    eng.complete = completed  # type: ignore[method-assign]
     try:
         whole = [eng.step() for _ in range(steps)]
     finally:
         for _name, (obj, attr) in wrapped.items():
             delattr(obj, attr)
-        del eng.prefill
+        del eng.prefill, eng.complete
     out = {k: v * 1e3 / steps for k, v in spent.items()}
     out["step"] = statistics.mean(whole) * 1e3
     return out
@@ -95,9 +98,20 @@ def main() -> None:
         finally:
             prof.enable()
 
+    complete = eng.complete
+
+    def unprofiled_complete():  # type: ignore[no-untyped-def]
+        # The admission's jobs complete inside it (Engine.step): out of the profile too.
+        prof.disable()
+        try:
+            complete()
+        finally:
+            prof.enable()
+
     eng.prefill = unprofiled_prefill  # type: ignore[method-assign]
+    eng.complete = unprofiled_complete  # type: ignore[method-assign]
     prof.runcall(lambda: [eng.step() for _ in range(args.steps)])
-    del eng.prefill
+    del eng.prefill, eng.complete
     print(f"-- profile: {args.steps} decode steps (admission left out) --")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     cold, warm = eng.lookups(5)
