@@ -124,7 +124,7 @@ def _lookup_hit_patch(mode: str) -> Callable[[], Any]:
     Stateless, so one lookup's answer never leaks into another's."""
     def _lookup_hit(self: OffloadScheduler, req: Any, computed: int, num_tokens: int,
                     max_tokens: int | None = None
-                    ) -> tuple[Any, Any, dict[tuple[int, int], Status]]:
+                    ) -> tuple[Any, Any, None]:
         statuses: dict[tuple[int, int], Status] = {}
 
         def status(group: int, idx: int) -> Status:
@@ -138,10 +138,10 @@ def _lookup_hit_patch(mode: str) -> Callable[[], Any]:
             self.config, computed, num_tokens, num_keys, lambda g, i: status(g, i) in hits,
             max_tokens=max_tokens)
         if mode == "any-unknown" and Status.PENDING in statuses.values():
-            return PENDING, conv, statuses
+            return PENDING, conv, None  # no reader: the touch derives its keys
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
-            return PENDING, conv, statuses
-        return conv.hit, conv, statuses
+            return PENDING, conv, None
+        return conv.hit, conv, None
     return _method_patch(OffloadScheduler, "_lookup_hit", lambda _orig: _lookup_hit)
 
 

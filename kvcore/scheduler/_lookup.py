@@ -54,10 +54,12 @@ class StatusReader:
     both runs, or by two verifications) is asked once. A block may read a few keys the
     loop never needs; reads are pure (recency changes only with ``touch``). A tier
     without ``lookup_many`` is asked key by key. ``known[g][i]`` is None until read: one
-    list slot per key of the request (8 bytes, for the lookup's duration only).
+    list slot per key of the request (8 bytes, for the lookup's duration only). The keys
+    each block derived are kept too, for the touch that follows (``keys``): the same
+    objects, their hashes already computed, instead of deriving them again.
     """
 
-    __slots__ = ("_keys", "_many", "blocks", "known", "pending")
+    __slots__ = ("_derived", "_keys", "_many", "blocks", "known", "pending")
 
     def __init__(self, keys: Sequence[GroupKeys], manager: Any, blocks: Sequence[int]) -> None:
         self._keys = keys
@@ -66,17 +68,20 @@ class StatusReader:
         self._many: Callable[[list[Key]], Sequence[Status]] = (
             many if many is not None else lambda ks: [manager.lookup(k) for k in ks])
         self.known: list[list[Status | None]] = [[None] * len(k) for k in keys]
+        self._derived: list[dict[int, list[Key]]] = [{} for _ in keys]  # block start -> keys
         self.pending = False  # whether any key read is PENDING
 
     def _fetch(self, group: int, idx: int) -> None:
         size = self.blocks[group]
         lo = idx - idx % size
         hi = min(lo + size, len(self.known[group]))
-        got = list(self._many(self._keys[group][lo:hi]))
+        keys = self._keys[group][lo:hi]
+        got = list(self._many(list(keys)))  # the tier gets its own list: ours is reused
         if len(got) != hi - lo:
             raise BadReportError(f"the tier's lookup_many answered {len(got)} statuses "
                                  f"for {hi - lo} keys; it must answer one per key, in order")
         self.known[group][lo:hi] = got
+        self._derived[group][lo] = keys
         self.pending = self.pending or Status.PENDING in got
 
     def status(self, group: int, idx: int) -> Status:
@@ -95,6 +100,23 @@ class StatusReader:
 
     def saw_pending(self) -> bool:
         return self.pending
+
+    def keys(self, group: int, lo: int, hi: int) -> list[Key]:
+        """Keys ``[lo, hi)`` of ``group``: the blocks this lookup read, reused, and the
+        rest derived now."""
+        size, derived, keys = self.blocks[group], self._derived[group], self._keys[group]
+        hi = min(hi, len(self.known[group]))
+        if not derived:
+            return keys[lo:hi]
+        out: list[Key] = []
+        at = lo
+        while at < hi:
+            start = at - at % size
+            stop = min(start + size, hi)
+            block = derived.get(start)
+            out.extend(keys[at:stop] if block is None else block[at - start:stop - start])
+            at = stop
+        return out
 
 
 class Smaller(Exception):

@@ -82,7 +82,6 @@ from kvcore.spec.types import (
     Key,
     LookupResult,
     OffloadConfig,
-    Status,
     StoreLevel,
     cdiv,
     key_group,
@@ -201,10 +200,10 @@ class OffloadScheduler:
         if req.skip_reading:
             req.looked_up = (computed_tokens, 0)
             return 0
-        result, conv, _ = self._lookup_hit(req, computed_tokens, num_tokens, max_tokens)
+        result, conv, reader = self._lookup_hit(req, computed_tokens, num_tokens, max_tokens)
         if isinstance(result, int):
             req.looked_up = (computed_tokens, result)
-        self._touch(req, computed_tokens + (result if isinstance(result, int) else 0))
+        self._touch(req, computed_tokens + (result if isinstance(result, int) else 0), reader)
         if self.check:
             self._check_lookup(req, computed_tokens, num_tokens, result, conv, max_tokens)
         if result is PENDING:
@@ -215,7 +214,7 @@ class OffloadScheduler:
 
     def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int,
                     max_tokens: int | None = None
-                    ) -> tuple[LookupResult, Convergence, list[list[Status | None]]]:
+                    ) -> tuple[LookupResult, Convergence, StatusReader | None]:
         reader = StatusReader(req.keys, self.manager, self._read_blocks)
         num_keys = [len(k) for k in req.keys]
 
@@ -238,12 +237,12 @@ class OffloadScheduler:
             try:
                 conv = run(HitTest(reader, pending_is_hit=False, floor=floor))
             except Smaller:
-                return PENDING, optimistic, reader.known
+                return PENDING, optimistic, reader
             if conv.hit != optimistic.hit:
-                return PENDING, conv, reader.known
+                return PENDING, conv, reader
         if conv.hit > 0 and self._being_loaded(req, computed, conv.hit):
-            return PENDING, conv, reader.known
-        return conv.hit, conv, reader.known
+            return PENDING, conv, reader
+        return conv.hit, conv, reader
 
     def _pessimistic_floor(self, boundary: int, computed: int) -> list[int]:
         """Per group, the first chunk a verification at ``boundary`` reads (0 for FULL).
@@ -269,19 +268,21 @@ class OffloadScheduler:
                 return True
         return False
 
-    def _touch(self, req: RequestState, boundary: int) -> None:
+    def _touch(self, req: RequestState, boundary: int,
+               reader: StatusReader | None = None) -> None:
         """Refresh recency: whole prefixes for FULL groups; for windows, the chunks a lookup
         at ``boundary`` reads (the reach before it, and a draft group's extra chunks), so a
-        lookup that stops early touches O(window) keys, not the rest of the prompt."""
+        lookup that stops early touches O(window) keys, not the rest of the prompt. Keys
+        the lookup's ``reader`` derived are handed over again, not derived twice."""
         for group, g in enumerate(self.config.groups):
-            keys = req.keys[group]
             if g.kind is GroupKind.FULL:
-                self.manager.touch(keys[:])
+                lo, hi = 0, len(req.keys[group])
             else:
                 hit_chunks = boundary // g.tokens_per_chunk
                 reach = reach_chunks(g) + g.extra_chunks
-                self.manager.touch(keys[max(0, hit_chunks - reach):
-                                        hit_chunks + g.extra_chunks])
+                lo, hi = max(0, hit_chunks - reach), hit_chunks + g.extra_chunks
+            keys = req.keys[group][lo:hi] if reader is None else reader.keys(group, lo, hi)
+            self.manager.touch(keys)
 
     # -- loads --------------------------------------------------------------------------
 
