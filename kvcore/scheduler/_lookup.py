@@ -106,8 +106,6 @@ class StatusReader:
         rest derived now."""
         size, derived, keys = self.blocks[group], self._derived[group], self._keys[group]
         hi = min(hi, len(self.known[group]))
-        if not derived:
-            return keys[lo:hi]
         out: list[Key] = []
         at = lo
         while at < hi:

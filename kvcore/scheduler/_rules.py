@@ -280,9 +280,12 @@ def quiet_cursors(shape: StoreShape, cursors: Sequence[int], frontier: int,
 
     Most decode steps of a layout with small window chunks (DeepSeek-V4's 4-token
     compressor state) complete a chunk the keep rule skips: ``group_offer`` would offer
-    nothing and move the cursor to the store end. This answers that in O(groups) without
-    building offers; None (some group has a chunk it could offer, or passes more than a
-    segment) sends the caller down the full path, which also judges null blocks.
+    nothing and move the cursor to the store end. This answers that without building
+    offers, in O(groups + chunks passed), under a segment per group; None (some group has
+    a chunk it could offer, or passes a whole segment) sends the caller down the full
+    path, which also judges null blocks. The draft cap repeats ``store_end``'s (read from
+    the precomputed shape, not the config); ``tests/unit/test_quiet_cursors.py`` holds
+    the two to the same answers.
     """
     moved = list(cursors)
     for group, (tokens, draft, rule) in enumerate(shape):
