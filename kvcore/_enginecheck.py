@@ -224,7 +224,7 @@ def _faults(plan: TransferPlan, config: OffloadConfig, caps: Sequence[int],
         ("a negative GPU id", ids_with(-1),
          {"code": Status.E_ROW_RANGE, "value": -1, "bound": top, **ranged}),
         ("the null block", ids_with(0),
-         {"code": Status.E_NULL_ROW, "value": 0, "bound": top, **ranged}),
+         {"code": Status.E_NULL_ROW, "value": 0, "bound": 1, **ranged}),
         ("a float id", ids_with(float(gt.gpu_block_ids[i])),
          {"where": f"job {job} group {g} gpu_block_ids"}),
         ("ids in a range", with_group(gpu_block_ids=range(1, 3)),
@@ -253,6 +253,16 @@ def _faults(plan: TransferPlan, config: OffloadConfig, caps: Sequence[int],
                      "descriptor_index": first + j * bpc - lead, "bound": j,
                      "says": "destination CPU chunk"}))
     return out
+
+
+def _c_expect(expect: Expect) -> Expect | None:
+    """What the C validator alone must say of a fault, or None where it cannot see it.
+
+    A range fault (an id past its pool, negative, the null block): the same fields as
+    Python's refusal. C cannot see the rest: a wrong type or shape never becomes a table,
+    and a chunk slot given twice is a plan error even where the two chunks' blocks fill
+    different rows of the slot (no byte is written twice, so C rightly copies it)."""
+    return expect if "side" in expect else None
 
 
 T = TypeVar("T")
@@ -349,6 +359,18 @@ class _Bench:
         self.record(f"validate: {name}", _name(raised), isinstance(raised, KVCoreError),
                      _mismatch(raised, expect))
         refusal = str(raised) if isinstance(raised, KVCopyError) else None
+        in_c = _c_expect(expect)
+        if in_c is not None:
+            # The second line of defence: the same table with the Python id checks left
+            # out. C must refuse it as Python did, and the error must name the group its
+            # descriptor belongs to (``group_of``), not a neighbour's.
+            raised = None
+            try:
+                self.engine._validate_in_c(twin)  # type: ignore[arg-type]
+            except Exception as exc:  # judged below: which class, which fields
+                raised = exc
+            self.record(f"C validator alone: {name}", _name(raised),
+                        isinstance(raised, KVCoreError), _mismatch(raised, in_c))
         try:
             self.engine.submit(twin)  # type: ignore[arg-type]
         except Exception as exc:  # a wrong type is refused at submit

@@ -204,6 +204,16 @@ class TransferEngine:
         _native.validate(self._regions, job.table, context=job.context, roles=job.roles,
                          job_id=plan.job_id, group_of=job.group_of)
 
+    def _validate_in_c(self, plan: TransferPlan) -> None:
+        """The C validator alone on ``plan``'s table, built without the Python id checks
+        (a well-shaped plan only): KVCopyError as a job would fail if those checks missed
+        the bad id. For ``kvcore check``, which compares this refusal with the Python one;
+        engines call ``validate``."""
+        job = prepare_plan(plan, self.config, self._groups, self._capacities,
+                           check_ranges=False)
+        _native.validate(self._regions, job.table, context=job.context, roles=job.roles,
+                         job_id=plan.job_id, group_of=job.group_of)
+
     # -- execution -------------------------------------------------------------------------
 
     def submit(self, plan: TransferPlan) -> None:

@@ -130,8 +130,10 @@ def _check_group_ranges(plan: TransferPlan, g: int, grp: _GroupIds, bpc: int,
             group=g, index=first, value=len(grp.slots), bound=expected)
     for i, b in enumerate(grp.ids):
         if not 0 < b < num_gpu_blocks:
-            status = Status.E_NULL_ROW if b == 0 else Status.E_ROW_RANGE
-            raise fail(status, i, b, num_gpu_blocks, gpu_side)
+            # The C library's fields for the same row: the null block breaks "id >= 1".
+            if b == 0:
+                raise fail(Status.E_NULL_ROW, i, b, 1, gpu_side)
+            raise fail(Status.E_ROW_RANGE, i, b, num_gpu_blocks, gpu_side)
     lead = grp.block_index % bpc
     for c, s in enumerate(grp.slots):
         if not 0 <= s < num_cpu_blocks:
@@ -189,11 +191,14 @@ def check_plan(plan: object) -> TransferPlan:
 
 
 def prepare_plan(plan: object, cfg: OffloadConfig, registered: Sequence[Sequence[_Registered]],
-                 capacities: Sequence[int]) -> _Job:
+                 capacities: Sequence[int], *, check_ranges: bool = True) -> _Job:
     """Check a plan in Python (naming job, group and role) and build its table.
 
     ``registered`` and ``capacities`` are the engine's tensors and CPU slots per group;
     every id is range-checked against them before any descriptor is built.
+    ``check_ranges=False`` builds the table of a well-shaped plan without the id checks,
+    so that ``kvcore check`` can hand it to the C validator alone: the second line of
+    defence must refuse what the first would have, naming the same group and values.
     """
     plan = check_plan(plan)
     if len(plan.groups) != len(cfg.groups):
@@ -212,8 +217,9 @@ def prepare_plan(plan: object, cfg: OffloadConfig, registered: Sequence[Sequence
                         "were copied.", Status.E_LIMIT, job_id=plan.job_id, group=0,
                         index=None, value=total, bound=MAX_IDS_PER_GROUP)
     for g, grp in enumerate(groups):
-        _check_group_ranges(plan, g, grp, cfg.groups[g].blocks_per_chunk, cfg.num_gpu_blocks,
-                            capacities[g], offsets[g], total)
+        if check_ranges:
+            _check_group_ranges(plan, g, grp, cfg.groups[g].blocks_per_chunk,
+                                cfg.num_gpu_blocks, capacities[g], offsets[g], total)
     parts = [_group_table(plan.kind, grp, cfg.groups[g].blocks_per_chunk, registered[g])
              for g, grp in enumerate(groups) if grp.ids]
     table = torch.cat(parts).contiguous() if parts else torch.zeros((0, 7), dtype=torch.int64)

@@ -211,3 +211,29 @@ def test_close_that_drops_jobs_on_the_stream_is_caught(monkeypatch: pytest.Monke
     assert "transfer worker stopped" in caught(
         "X2", lambda: _enginecheck.run_transfer_engine(preset(DEFAULT),
                                                        _enginecheck.ENGINE_CASES, {}))
+
+
+@pytest.mark.parametrize("shift", [1, 2], ids=["next group", "two on"])
+def test_c_refusals_naming_the_wrong_group_are_caught(monkeypatch: pytest.MonkeyPatch,
+                                                      shift: int) -> None:
+    """Mutant: ``_Job.group_of`` off by one (``bisect_right(...) - 0`` or ``+ 1``), so a
+    refusal from the C library names a neighbouring group. Python's checks refuse every
+    bad id first, so only the C-alone pass of each range fault (the table built with
+    them left out) reaches ``group_of``."""
+    import bisect
+
+    def off(self: Any, index: int) -> int:
+        return bisect.bisect_right(self.offsets, index) - 1 + shift
+    monkeypatch.setattr(_plans._Job, "group_of", off)
+    assert "C validator alone" in caught("A1")
+
+
+def test_python_and_c_agree_on_the_null_blocks_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: Python's null-block refusal gives ``num_gpu_blocks`` as its bound (the C
+    library, and ``spec.descriptors``, give 1: ids must be >= 1). The engine's errors
+    read the same whichever validator refused."""
+    from refinement.test_refinement_mutants import mutated
+    monkeypatch.setattr(_plans, "_check_group_ranges", mutated(
+        _plans._check_group_ranges, "raise fail(Status.E_NULL_ROW, i, b, 1, gpu_side)",
+        "raise fail(Status.E_NULL_ROW, i, b, num_gpu_blocks, gpu_side)"))
+    assert "the null block: raised KVCopyError, but it carries bound=" in caught("A1")
