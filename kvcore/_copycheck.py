@@ -20,8 +20,8 @@ import random
 import torch
 
 from kvcore import _native
+from kvcore._checks import enforce
 from kvcore._native import DescriptorTable, Region, RegionTable
-from kvcore.scheduler._checks import enforce
 from kvcore.spec.descriptors import (
     I64,
     MAX_REGIONS,

@@ -39,10 +39,9 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
+from kvcore._checks import JOB_SECONDS, enforce
 from kvcore.manager import CPUOffloadManager, cpu_capacities, group_capacity
 from kvcore.scheduler import OffloadScheduler
-from kvcore.scheduler._checks import enforce
-from kvcore.sim._engine import JOB_SECONDS
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import (
     BadKeyError,

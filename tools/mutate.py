@@ -49,7 +49,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PY_TARGETS = ("kvcore/scheduler", "kvcore/manager", "kvcore/transfer")
+# The runtime check funnel (enforce, tally, checks_enabled) sat in kvcore/scheduler until
+# the manager needed it too; it stays in the population.
+PY_TARGETS = ("kvcore/scheduler", "kvcore/manager", "kvcore/transfer", "kvcore/_checks.py")
 C_TARGET = "native/kvcore_copy.c"
 # cosmic-ray operators kept, by family (the names are cosmic-ray's).
 FAMILIES = {

@@ -17,12 +17,12 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from itertools import groupby, repeat
 
+from kvcore._checks import checks_enabled, enforce
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
 from kvcore.manager._capacity import check_config, cpu_capacities
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
-from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.spec.errors import (
     ConfigError,
     KeyGroupError,

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from kvcore._checks import checks_enabled, enforce
 from kvcore.scheduler import _store, _validate
-from kvcore.scheduler._checks import checks_enabled, enforce
 from kvcore.scheduler._lookup import (
     Convergence,
     HitTest,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvcore._checks import JOB_SECONDS, enforce
 from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.scheduler import (
     OffloadScheduler,
@@ -26,7 +27,6 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
-from kvcore.scheduler._checks import enforce
 from kvcore.sim import _kv
 from kvcore.sim._hostile import Hostile
 from kvcore.sim._lockstep import paired
@@ -40,9 +40,6 @@ from kvcore.transfer import TransferEngine
 
 # The largest CPU tier (in chunks) the simulator shadows with the reference manager.
 SHADOW_MAX_CHUNKS = 8192
-# A job the simulator waits for must be reported within this many seconds: its copies
-# are a few KiB, so a minute on the busiest machine means never (X2, not a hang).
-JOB_SECONDS = 60.0
 
 
 class IntegrityError(AssertionError):

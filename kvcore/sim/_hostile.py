@@ -21,8 +21,8 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from kvcore._checks import enforce
 from kvcore.scheduler import RequestInfo, ScheduledRequest, StepInput, WorkerReport
-from kvcore.scheduler._checks import enforce
 from kvcore.sim._snapshot import snapshot
 from kvcore.spec.errors import BlockIdError, InvariantViolation, KVCoreError
 from kvcore.spec.invariants import BadCallRecord

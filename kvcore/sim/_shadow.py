@@ -15,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from kvcore._checks import enforce
 from kvcore.manager import CPUOffloadManager, PrepareStoreResult
-from kvcore.scheduler._checks import enforce
 from kvcore.spec.errors import KVCoreError
 from kvcore.spec.invariants import EvictionOrderRecord, TierAgreementRecord, m2_eviction_order
 from kvcore.spec.manager_model import ReferenceManager

@@ -139,7 +139,7 @@ def test_a_release_before_validation_is_caught(monkeypatch: pytest.MonkeyPatch) 
 def test_checks_that_count_nothing_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: ``tally`` counts nothing (every stage's figures read 0); the canary that
     opens the set-up stage stops the run under A1."""
-    from kvcore.scheduler import _checks
+    from kvcore import _checks
 
     monkeypatch.setattr(_checks, "tally", lambda records, counts: None)
     assert "the checks are off" in caught(

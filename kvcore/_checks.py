@@ -13,6 +13,11 @@ from collections.abc import Sequence
 from kvcore.spec.errors import ConfigError, InvariantViolation
 from kvcore.spec.invariants import PREDICATE_IDS, PREDICATES, check
 
+# A job a checked run (the simulator, ``kvcore check``'s transfer engine stage) waits for
+# must be reported within this many seconds: its copies are a few KiB, so a minute on the
+# busiest machine means never (X2, not a hang).
+JOB_SECONDS = 60.0
+
 
 def checks_enabled(flag: bool | None) -> bool:
     """The constructor flag wins; otherwise ``KVCORE_CHECK=1`` turns checks on.
