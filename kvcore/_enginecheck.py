@@ -703,6 +703,8 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
          ("max_queued_jobs",)),
         ("max_queued_jobs=True", engine(max_queued_jobs=True), ("max_queued_jobs",)),
         ("simulate_stream=-1", engine(simulate_stream=-1), ("simulate_stream",)),
+        ("simulate_stream=2^64, one past the largest seed", engine(simulate_stream=1 << 64),
+         ("simulate_stream",)),
         ("simulate_stream=True", engine(simulate_stream=True), ("simulate_stream",)),
         ("a group without tensors", engine([[] if h == g else ts for h, ts in enumerate(gpu)]),
          (f"gpu_tensors[{g}]",)),

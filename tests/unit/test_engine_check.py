@@ -237,3 +237,15 @@ def test_python_and_c_agree_on_the_null_blocks_bound(monkeypatch: pytest.MonkeyP
         _plans._check_group_ranges, "raise fail(Status.E_NULL_ROW, i, b, 1, gpu_side)",
         "raise fail(Status.E_NULL_ROW, i, b, num_gpu_blocks, gpu_side)"))
     assert "the null block: raised KVCopyError, but it carries bound=" in caught("A1")
+
+
+def test_a_stream_seed_past_64_bits_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``simulate_stream``'s range check made inclusive (a seed of 2**64, which
+    no 64-bit seed can hold, accepted); the set-up stage's twin one past the largest seed
+    is refused."""
+    from refinement.test_refinement_mutants import mutated
+    monkeypatch.setattr(_engine, "_check_options", mutated(
+        _setup._check_options, "0 <= simulate_stream < 1 << 64",
+        "0 <= simulate_stream <= 1 << 64"))
+    assert "one past the largest seed: accepted" in caught(
+        "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
