@@ -201,16 +201,17 @@ class TransferEngine:
         failure = self._storage_error(plan)
         if failure is not None:
             raise failure
-        _native.validate(self._regions, job.table, context=job.context, roles=job.roles,
-                         job_id=plan.job_id, group_of=job.group_of)
+        self._c_validate(plan, job)
 
     def _validate_in_c(self, plan: TransferPlan) -> None:
         """The C validator alone on ``plan``'s table, built without the Python id checks
         (a well-shaped plan only): KVCopyError as a job would fail if those checks missed
         the bad id. For ``kvcore check``, which compares this refusal with the Python one;
         engines call ``validate``."""
-        job = prepare_plan(plan, self.config, self._groups, self._capacities,
-                           check_ranges=False)
+        self._c_validate(plan, prepare_plan(plan, self.config, self._groups,
+                                            self._capacities, check_ranges=False))
+
+    def _c_validate(self, plan: TransferPlan, job: _Job) -> None:
         _native.validate(self._regions, job.table, context=job.context, roles=job.roles,
                          job_id=plan.job_id, group_of=job.group_of)
 

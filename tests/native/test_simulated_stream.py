@@ -135,3 +135,21 @@ def test_a_job_never_reported_is_x2_not_a_hang(monkeypatch: pytest.MonkeyPatch) 
         with sim.transfer._cond:
             sim.transfer._pending.discard(1)
         sim.transfer.close()
+
+
+def test_a_wait_that_times_out_with_nothing_pending_is_x2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect: ``TransferEngine.wait``'s test inverted, so every wait raises TimeoutError,
+    even one for no job (held-out seed 28's m28). The simulator names X2, with a record for
+    each job it waited for, or job -1 for a wait for none, instead of crashing."""
+    def always_late(self: Any, job_ids: Any, timeout: float | None = None) -> list[Any]:
+        raise TimeoutError(f"jobs {sorted(job_ids)} still running after {timeout} s")
+
+    monkeypatch.setattr(_engine.TransferEngine, "wait", always_late)
+    sim = Simulator(preset(DEFAULT), SimOptions(seed=0, requests=4, context_tokens=400))
+    try:
+        for ids in ([], [7]):
+            with pytest.raises(InvariantViolation, match=f"X2: job {ids[0] if ids else -1}:"):
+                sim._wait(ids)
+    finally:
+        sim.transfer.close()
