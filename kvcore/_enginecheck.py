@@ -44,6 +44,7 @@ from kvcore.manager import CPUOffloadManager, cpu_capacities, group_capacity
 from kvcore.scheduler import OffloadScheduler
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import (
+    ArgumentTypeError,
     BadKeyError,
     ConfigError,
     InvariantViolation,
@@ -54,7 +55,7 @@ from kvcore.spec.errors import (
     NotPinnedError,
     TransferArgumentError,
 )
-from kvcore.spec.hooks import MAX_KEY_BYTES
+from kvcore.spec.hooks import MAX_KEY_BYTES, MAX_REPORT_INT
 from kvcore.spec.invariants import BadCallRecord, SetupRecord, TransferOutcomeRecord, Violation
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, sub_block_position
 from kvcore.spec.types import Key, OffloadConfig, make_key
@@ -428,6 +429,8 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
                     bench.bounce(name, twin, expect, job)
             if job == cases:  # the documented largest job id, 2**63 - 1, is a valid one
                 plan = replace(plan, job_id=(1 << 63) - 1)
+            elif job == 1:  # and so is the smallest, 0
+                plan = replace(plan, job_id=0)
             burst.append(plan)
             if len(burst) >= size or job == cases or job % 40 == 0:
                 bench.run(*burst)
@@ -806,7 +809,15 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     enforce([SetupRecord("capacity_of a group no pool serves is 0",
                          None if outside == [0, 0, 0, 0] else f"capacities {outside}")],
             checked)
-    _valid("OffloadScheduler", lambda: OffloadScheduler(config, flat, check=False), checked)
+    sched = _valid("OffloadScheduler", lambda: OffloadScheduler(config, flat, check=False),
+                   checked)
+    # Job ids a report may carry run 0..MAX_REPORT_INT: both ends are questions with an
+    # answer (False, on a scheduler that made no job), not bad calls.
+    for job in (0, MAX_REPORT_INT):
+        got = _valid(f"OffloadScheduler.job_in_flight({job})",
+                     partial(sched.job_in_flight, job), checked)
+        enforce([SetupRecord(f"OffloadScheduler.job_in_flight({job}) before any job is False",
+                             None if got is False else f"answered {got!r}")], checked)
     return int(tier_bytes)
 
 
@@ -961,6 +972,25 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
          BadKeyError, {}),
         ("lookup: an empty key", lambda: mgr.lookup(b""), BadKeyError, {}),
         ("lookup_many: an empty key", lambda: mgr.lookup_many([b""]), BadKeyError, {}),
+    ]
+    # A key of the wrong type has a length that looks right (a str, a bytearray) or none
+    # at all (an int): each call that takes keys refuses all three, naming the call.
+    odd: tuple[object, ...] = (ready.hex(), bytearray(ready), 7)
+    for bad in odd:
+        kind = type(bad).__name__
+        for method in ("lookup", "state_of", "slot_of"):
+            cases.append((f"{method}: a {kind} key", partial(getattr(mgr, method), bad),
+                          BadKeyError, {"where": method}))
+        for method in ("lookup_many", "touch", "prepare_load", "complete_load",
+                       "prepare_store", "complete_store"):
+            cases.append((f"{method}: a {kind} key beside a good one",
+                          partial(getattr(mgr, method), [ready, bad]), BadKeyError,
+                          {"where": method}))
+    cases += [
+        ("touch: one key, not a list of keys", partial(mgr.touch, ready),  # type: ignore[arg-type]
+         ArgumentTypeError, {"argument": "keys"}),
+        ("complete_store: success='yes'", partial(mgr.complete_store, [writing], "yes"),  # type: ignore[arg-type]
+         ArgumentTypeError, {"argument": "success"}),
     ]
     for name, call, cls, expect in cases:
         before = (mgr.stats(), [mgr.state_of(k) for k in keys])

@@ -249,3 +249,41 @@ def test_a_stream_seed_past_64_bits_is_caught(monkeypatch: pytest.MonkeyPatch) -
         "0 <= simulate_stream <= 1 << 64"))
     assert "one past the largest seed: accepted" in caught(
         "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_key_type_check_inverted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``CPUOffloadManager.lookup``'s fast check reads ``type(key) is bytes``, so
+    a ``str`` or ``bytearray`` key of a key's length skips ``check_key`` and answers
+    MISS. The set-up stage asks every key-taking call with keys of the wrong type."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.manager import _cpu
+    monkeypatch.setattr(_cpu.CPUOffloadManager, "lookup", mutated(
+        _cpu.CPUOffloadManager.lookup, "type(key) is not bytes", "type(key) is bytes"))
+    assert "a str key: accepted" in caught("A1", lambda: _enginecheck.run_setup(
+        preset(DEFAULT), {}))
+
+
+def test_job_zero_refused_by_job_in_flight_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``job_in_flight`` checks ``job_id`` against 1.. instead of 0.. (a report's
+    job id may be 0), so asking about job 0 raises. The set-up stage asks about both
+    ends of the range (X2)."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore import scheduler
+    monkeypatch.setattr(scheduler.OffloadScheduler, "job_in_flight", mutated(
+        scheduler.OffloadScheduler.job_in_flight, "job_id, 0, MAX_REPORT_INT",
+        "job_id, 1, MAX_REPORT_INT"))
+    assert "job_in_flight(0)" in caught("X2", lambda: _enginecheck.run_setup(
+        preset(DEFAULT), {}))
+
+
+def test_job_zero_refused_by_submit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``check_plan`` takes job ids from 1 (0 is documented as valid), so the
+    engine refuses a plan numbered 0. The stage's first plan is job 0 (X2)."""
+    from refinement.test_refinement_mutants import mutated
+    bad = mutated(_plans.check_plan, "not 0 <= job <= MAX_JOB_ID", "not 1 <= job <= MAX_JOB_ID")
+    monkeypatch.setattr(_plans, "check_plan", bad)
+    monkeypatch.setattr(_engine, "check_plan", bad)
+    assert "valid plan 0" in caught("X2", lambda: _enginecheck.run_transfer_engine(
+        preset(DEFAULT), _enginecheck.ENGINE_CASES, {}))
