@@ -557,6 +557,9 @@ def _bad_rebinds(bench: _Bench, g: int) -> None:
 
     twins: list[tuple[str, object, str]] = [
         ("a group missing", gpu[:-1], "gpu_tensors"),
+        ("a tensor for the groups", gpu[0][0], "gpu_tensors"),
+        ("None", None, "gpu_tensors"),
+        ("a dict of groups", dict(enumerate(gpu)), "gpu_tensors"),
         ("a tensor missing", [ts[:-1] if h == g else ts for h, ts in enumerate(gpu)],
          f"gpu_tensors[{g}]"),
         ("a wider row", swapped(torch.zeros((n, width + 1), dtype=torch.uint8)),
@@ -697,6 +700,9 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
     out: list[tuple[str, Call, tuple[str, ...]]] = [
         ("a dict config", lambda: TransferEngine({}, gpu), ("config",)),  # type: ignore[arg-type]
         ("a tensor for gpu_tensors", engine(gpu[0][0]), ("gpu_tensors",)),
+        # Neither a tensor nor a list: no length at all, and one that has the right one.
+        ("gpu_tensors=None", engine(None), ("gpu_tensors",)),
+        ("a dict of groups for gpu_tensors", engine(dict(enumerate(gpu))), ("gpu_tensors",)),
         ("a group missing", engine(gpu[:-1]), ("gpu_tensors",)),
         ("cuda_method='bogus'", engine(cuda_method="bogus"), ("cuda_method",)),
         ("pin_memory='yes'", engine(pin_memory="yes"), ("pin_memory",)),

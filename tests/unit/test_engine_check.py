@@ -8,6 +8,7 @@ names the wrong field, a copy to the wrong place. Each test names the mutant it 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -287,3 +288,23 @@ def test_job_zero_refused_by_submit_is_caught(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(_engine, "check_plan", bad)
     assert "valid plan 0" in caught("X2", lambda: _enginecheck.run_transfer_engine(
         preset(DEFAULT), _enginecheck.ENGINE_CASES, {}))
+
+
+@pytest.mark.parametrize("where", ["construct", "rebind"])
+def test_gpu_tensors_type_check_weakened_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                                   where: str) -> None:
+    """Mutant: the ``gpu_tensors`` type check's ``or`` made ``and``, so only a tensor is
+    refused and ``None`` reaches ``len()`` (a bare TypeError). The set-up stage builds
+    an engine with ``gpu_tensors=None``; the engine stage rebinds to it."""
+    from refinement.test_refinement_mutants import mutated
+    old = "isinstance(gpu_tensors, torch.Tensor) or not"
+    new = "isinstance(gpu_tensors, torch.Tensor) and not"
+    if where == "construct":
+        monkeypatch.setattr(_engine, "_check_options", mutated(_setup._check_options, old, new))
+        stage = partial(_enginecheck.run_setup, preset(DEFAULT), {})
+    else:
+        monkeypatch.setattr(_engine.TransferEngine, "rebind_gpu_tensors", mutated(
+            _engine.TransferEngine.rebind_gpu_tensors, old, new))
+        stage = partial(_enginecheck.run_transfer_engine, preset(DEFAULT),
+                        _enginecheck.ENGINE_CASES, {})
+    assert "None: raised TypeError, not a kvcore error" in caught("A1", stage)
