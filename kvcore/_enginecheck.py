@@ -817,8 +817,9 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
             checked)
     sched = _valid("OffloadScheduler", lambda: OffloadScheduler(config, flat, check=False),
                    checked)
-    # Job ids a report may carry run 0..MAX_REPORT_INT: both ends are questions with an
-    # answer (False, on a scheduler that made no job), not bad calls.
+    # job_in_flight takes any id in 0..MAX_REPORT_INT (a superset of the ids a job or a
+    # report can have, 1..): both ends are questions with an answer (False, on a
+    # scheduler that made no job), not bad calls.
     for job in (0, MAX_REPORT_INT):
         got = _valid(f"OffloadScheduler.job_in_flight({job})",
                      partial(sched.job_in_flight, job), checked)
@@ -998,8 +999,12 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
         ("complete_store: success='yes'", partial(mgr.complete_store, [writing], "yes"),  # type: ignore[arg-type]
          ArgumentTypeError, {"argument": "success"}),
     ]
+    def recency() -> list[tuple[Key, ...]]:  # a touch changes nothing else
+        return [tuple(getattr(mgr.policy_of(g), "order", tuple)())
+                for g in range(len(config.groups))]
+
     for name, call, cls, expect in cases:
-        before = (mgr.stats(), [mgr.state_of(k) for k in keys])
+        before = (mgr.stats(), [mgr.state_of(k) for k in keys], recency())
         raised: BaseException | None = None
         try:
             call()
@@ -1007,7 +1012,7 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
             raised = exc
         wrong = "" if raised is None or isinstance(raised, cls) else f"not a {cls.__name__}"
         wrong = wrong or (_carries(raised, expect) if raised is not None else "")
-        after = (mgr.stats(), [mgr.state_of(k) for k in keys])
+        after = (mgr.stats(), [mgr.state_of(k) for k in keys], recency())
         enforce([BadCallRecord(f"CPUOffloadManager.{name}", _name(raised),
                                isinstance(raised, KVCoreError), after != before, wrong)],
                 checked)

@@ -634,6 +634,9 @@ class OffloadScheduler:
         return bool(self._jobs.jobs)
 
     def job_in_flight(self, job_id: int) -> bool:
+        """Whether ``job_id`` is issued and not yet settled. Any id in 0..2**62 is a fair
+        question (False for one never issued: jobs are numbered from 1), so an engine can
+        ask about an id it holds without first checking where it came from."""
         check_int("job_in_flight", "job_id", job_id, 0, MAX_REPORT_INT)
         return job_id in self._jobs.jobs
 

@@ -266,9 +266,9 @@ def test_a_key_type_check_inverted_is_caught(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_job_zero_refused_by_job_in_flight_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``job_in_flight`` checks ``job_id`` against 1.. instead of 0.. (a report's
-    job id may be 0), so asking about job 0 raises. The set-up stage asks about both
-    ends of the range (X2)."""
+    """Mutant: ``job_in_flight`` checks ``job_id`` against 1.. instead of its documented
+    0.., so asking about job 0 raises. The set-up stage asks about both ends of the
+    range (X2)."""
     from refinement.test_refinement_mutants import mutated
 
     from kvcore import scheduler
@@ -308,3 +308,20 @@ def test_gpu_tensors_type_check_weakened_is_caught(monkeypatch: pytest.MonkeyPat
         stage = partial(_enginecheck.run_transfer_engine, preset(DEFAULT),
                         _enginecheck.ENGINE_CASES, {})
     assert "None: raised TypeError, not a kvcore error" in caught("A1", stage)
+
+
+def test_a_touch_before_validation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``touch`` refreshes the good keys of a call before refusing its bad one (a
+    refused call reorders the LRU). The bad-key cases compare the policies' orders."""
+    from kvcore.manager import CPUOffloadManager
+
+    real = CPUOffloadManager.touch
+
+    def eager(self: CPUOffloadManager, keys: Any) -> None:
+        good = [k for k in keys if type(k) is bytes and k]
+        if good and len(good) < len(keys):
+            real(self, good)
+        real(self, keys)
+    monkeypatch.setattr(CPUOffloadManager, "touch", eager)
+    assert "touch: a str key beside a good one: raised BadKeyError but changed the state" \
+        in caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
