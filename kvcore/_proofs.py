@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,12 +97,6 @@ class ProofReport:
         parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         return f"{self.status}: {parts} ({self.cpu_seconds:.0f} CPU-s, {self.seconds:.0f} s)"
 
-    def __iter__(self) -> Iterator[object]:
-        """``ok, line = report``, for callers of the old (ok, line) pair: ok is True when
-        confirmed, False when failed, None when skipped or inconclusive (read ``status``
-        to tell those two apart)."""
-        ok = {"confirmed": True, "failed": False}.get(self.status)
-        return iter((ok, self.summary))
 
 
 def locate() -> ProofSource | None:

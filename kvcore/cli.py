@@ -145,18 +145,14 @@ def _report_failure(failure: Any) -> int:
     return KIND_EXIT[failure.kind]
 
 
-def _proof_status(ok: object) -> str:
-    """passed, FAILED, skipped or inconclusive, from ``run_proofs``' first value.
+def _proof_status(status: str) -> str:
+    """passed, FAILED, skipped or inconclusive, from the proof report's status.
 
-    True and False are pass and fail, None means no proofs/ folder (an installed wheel),
-    and the string ``"inconclusive"`` an obligation that ran out of budget (twice)
-    without a counterexample: not a correctness failure, so it gets its own exit code.
+    "skipped" means no proofs/ folder or no CrossHair (an installed wheel), and
+    "inconclusive" an obligation that ran out of budget (twice) without a counterexample:
+    not a correctness failure, so it gets its own exit code.
     """
-    if ok is True:
-        return "passed"
-    if ok is None:
-        return "skipped"
-    return "inconclusive" if ok == "inconclusive" else "FAILED"
+    return {"confirmed": "passed", "failed": "FAILED"}.get(status, status)
 
 
 def _run_mutants(args: argparse.Namespace, report: dict[str, Any], name: str,
@@ -189,8 +185,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     code = EXIT_OK
     inconclusive = False
     if not args.no_proofs:
-        ok, line = _check.run_proofs()
-        status = _proof_status(ok)
+        proofs = _check.run_proofs()
+        status, line = _proof_status(proofs.status), proofs.summary
         report["proofs"] = {"ok": status in ("passed", "skipped"), "status": status,
                             "summary": line}
         print(f"proofs: {status} ({line})", flush=True)

@@ -26,6 +26,7 @@ import pytest
 
 from kvcore import _check
 from kvcore._configfile import load_config
+from kvcore._proofs import ProofReport
 from kvcore.cli import (
     EXIT_CRASH,
     EXIT_FAIL,
@@ -217,26 +218,26 @@ def _failure(kind: str, ids: list[str]) -> _check.Failure:
 
 
 def _stub_battery(monkeypatch: pytest.MonkeyPatch, failure: _check.Failure | None,
-                  proofs: tuple[object, str] = (True, "9 passed")) -> None:
+                  proofs: str = "confirmed") -> None:
+    """The battery stubbed; the proofs stubbed with a real ``ProofReport`` of that status
+    (a stub of another shape once hid that the CLI misread the real one)."""
     def battery(*_args: Any, **_kwargs: Any) -> _check.BatteryResult:
         return _check.BatteryResult(checked={"E1": 1}, failure=failure)
     monkeypatch.setattr(_check, "run_battery", battery)
-    monkeypatch.setattr(_check, "run_proofs", lambda: proofs)
+    monkeypatch.setattr(_check, "run_proofs", lambda: ProofReport(proofs, reason="stub"))
 
 
-CHECK_ROWS: list[tuple[str, str | None, tuple[object, str], int]] = [
-    ("clean", None, (True, "9 passed"), EXIT_OK),
-    ("invariant broken", "invariant", (True, "9 passed"), EXIT_FAIL),
-    ("wrong bytes", "integrity", (True, "9 passed"), EXIT_FAIL),
-    ("did not settle", "liveness", (True, "9 passed"), EXIT_LIVENESS),
-    ("crash in the battery", "crash", (True, "9 passed"), EXIT_CRASH),
-    ("proof failed", None, (False, "1 failed"), EXIT_FAIL),
-    ("proof inconclusive", None, ("inconclusive", "1 inconclusive"), EXIT_INCONCLUSIVE),
-    ("inconclusive under a failure", "invariant", ("inconclusive", "1 inconclusive"),
-     EXIT_FAIL),
-    ("inconclusive under a liveness failure", "liveness", ("inconclusive", "x"),
-     EXIT_LIVENESS),
-    ("proofs skipped (installed wheel)", None, (None, "skipped"), EXIT_OK),
+CHECK_ROWS: list[tuple[str, str | None, str, int]] = [
+    ("clean", None, "confirmed", EXIT_OK),
+    ("invariant broken", "invariant", "confirmed", EXIT_FAIL),
+    ("wrong bytes", "integrity", "confirmed", EXIT_FAIL),
+    ("did not settle", "liveness", "confirmed", EXIT_LIVENESS),
+    ("crash in the battery", "crash", "confirmed", EXIT_CRASH),
+    ("proof failed", None, "failed", EXIT_FAIL),
+    ("proof inconclusive", None, "inconclusive", EXIT_INCONCLUSIVE),
+    ("inconclusive under a failure", "invariant", "inconclusive", EXIT_FAIL),
+    ("inconclusive under a liveness failure", "liveness", "inconclusive", EXIT_LIVENESS),
+    ("proofs skipped (installed wheel)", None, "skipped", EXIT_OK),
 ]
 
 
@@ -244,7 +245,7 @@ CHECK_ROWS: list[tuple[str, str | None, tuple[object, str], int]] = [
                          [pytest.param(k, p, c, id=n) for n, k, p, c in CHECK_ROWS])
 def test_check_exit_code_per_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture[str], kind: str | None,
-                                     proofs: tuple[object, str], code: int) -> None:
+                                     proofs: str, code: int) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     _stub_battery(monkeypatch, _failure(kind, ["E1"]) if kind else None, proofs)
     out = tmp_path / "report.json"
@@ -260,8 +261,9 @@ def test_check_exit_code_per_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert "--seed 3 --check-options" in path.read_text()
     else:
         assert crash_files == []
+    shown = {"confirmed": "passed", "failed": "FAILED"}.get(proofs, proofs)
+    assert report["proofs"]["status"] == shown and f"proofs: {shown} (" in captured.out
     if code == EXIT_INCONCLUSIVE:
-        assert report["proofs"]["status"] == "inconclusive"
         assert "INCONCLUSIVE" in captured.out and "FAILED" not in captured.out
 
 
