@@ -504,5 +504,7 @@ def test_a_worker_that_dies_fails_its_pending_jobs_instead_of_hanging_waiters() 
     plan = _enginecheck._valid_plan(rng, 1, cfg, caps)
     engine.submit(plan)
     (result,) = engine.wait([plan.job_id], timeout=10)
+    # Like every failed job, it reports 0 bytes (mutant: the cleanup's result says 1).
     assert not result.success and result.error == "transfer worker stopped"
+    assert result.bytes == 0
     engine.close()
