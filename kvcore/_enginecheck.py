@@ -886,6 +886,11 @@ def _carries(raised: BaseException, expect: Expect) -> str:
     return f"carries {'; '.join(wrong)}" if wrong else ""
 
 
+def _recency(mgr: CPUOffloadManager, groups: Sequence[int]) -> list[tuple[Key, ...]]:
+    """Each group's policy order (most recent first; empty for a policy without one)."""
+    return [tuple(getattr(mgr.policy_of(g), "order", tuple)()) for g in groups]
+
+
 def _mixed_touch(config: OffloadConfig, checked: dict[str, int]) -> None:
     """A ``touch`` naming keys of two groups refreshes each group's own LRU order (X2):
     the scheduler touches one group per call, an engine driving the tier may not."""
@@ -895,7 +900,7 @@ def _mixed_touch(config: OffloadConfig, checked: dict[str, int]) -> None:
                        ("complete_store", partial(mgr.complete_store, [a0, b0, a1, b1])),
                        ("touch", partial(mgr.touch, [a0, a1]))):
         _valid(f"CPUOffloadManager.{name} (keys of groups 0 and 1)", step, checked)
-    orders: list[tuple[Key, ...]] = [getattr(mgr.policy_of(g), "order", tuple)() for g in (0, 1)]
+    orders = _recency(mgr, (0, 1))
     enforce([SetupRecord("CPUOffloadManager.touch of keys of two groups: each group's "
                          "touched key becomes its most recent",
                          None if orders == [(b0, a0), (b1, a1)]
@@ -999,12 +1004,9 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
         ("complete_store: success='yes'", partial(mgr.complete_store, [writing], "yes"),  # type: ignore[arg-type]
          ArgumentTypeError, {"argument": "success"}),
     ]
-    def recency() -> list[tuple[Key, ...]]:  # a touch changes nothing else
-        return [tuple(getattr(mgr.policy_of(g), "order", tuple)())
-                for g in range(len(config.groups))]
-
+    groups = range(len(config.groups))  # the recency order: all that a touch changes
     for name, call, cls, expect in cases:
-        before = (mgr.stats(), [mgr.state_of(k) for k in keys], recency())
+        before = (mgr.stats(), [mgr.state_of(k) for k in keys], _recency(mgr, groups))
         raised: BaseException | None = None
         try:
             call()
@@ -1012,7 +1014,7 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
             raised = exc
         wrong = "" if raised is None or isinstance(raised, cls) else f"not a {cls.__name__}"
         wrong = wrong or (_carries(raised, expect) if raised is not None else "")
-        after = (mgr.stats(), [mgr.state_of(k) for k in keys], recency())
+        after = (mgr.stats(), [mgr.state_of(k) for k in keys], _recency(mgr, groups))
         enforce([BadCallRecord(f"CPUOffloadManager.{name}", _name(raised),
                                isinstance(raised, KVCoreError), after != before, wrong)],
                 checked)

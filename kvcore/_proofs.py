@@ -98,7 +98,6 @@ class ProofReport:
         return f"{self.status}: {parts} ({self.cpu_seconds:.0f} CPU-s, {self.seconds:.0f} s)"
 
 
-
 def locate() -> ProofSource | None:
     """The obligations of a source checkout (preferred), else the installed ``kvcore.proofs``."""
     root = Path(__file__).resolve().parent.parent

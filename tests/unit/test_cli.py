@@ -261,7 +261,8 @@ def test_check_exit_code_per_outcome(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert "--seed 3 --check-options" in path.read_text()
     else:
         assert crash_files == []
-    shown = {"confirmed": "passed", "failed": "FAILED"}.get(proofs, proofs)
+    shown = {"confirmed": "passed", "failed": "FAILED", "inconclusive": "inconclusive",
+             "skipped": "skipped"}[proofs]
     assert report["proofs"]["status"] == shown and f"proofs: {shown} (" in captured.out
     if code == EXIT_INCONCLUSIVE:
         assert "INCONCLUSIVE" in captured.out and "FAILED" not in captured.out
