@@ -251,10 +251,10 @@ def mutant_null_at_end(layout: int, computed: int, hit: int, valid: int, num_gpu
 
 
 OBLIGATIONS = (
-    Obligation("load_any_size", CONFIRMED, 90, 20, 13.5),
-    Obligation("mutant_first_unfilled_skips", REFUTED, 30, 20, 1.1, "load_any_size"),
-    Obligation("mutant_null_at_end", REFUTED, 30, 20, 1.6, "load_layouts"),
-    Obligation("mutant_end_rounded_down", REFUTED, 30, 20, 1.5, "load_any_size"),
-    Obligation("load_layouts", CONFIRMED, 150, 20, 20.8),
-    Obligation("mutant_served_unchecked", REFUTED, 30, 20, 1.7, "load_layouts"),
+    Obligation("load_any_size", CONFIRMED, 220, 20, 42.5),
+    Obligation("mutant_first_unfilled_skips", REFUTED, 30, 20, 2.4, "load_any_size"),
+    Obligation("mutant_null_at_end", REFUTED, 40, 20, 7.0, "load_layouts"),
+    Obligation("mutant_end_rounded_down", REFUTED, 30, 20, 2.0, "load_any_size"),
+    Obligation("load_layouts", CONFIRMED, 360, 20, 70.7),
+    Obligation("mutant_served_unchecked", REFUTED, 30, 20, 3.5, "load_layouts"),
 )

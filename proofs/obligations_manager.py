@@ -136,6 +136,6 @@ def mutant_evicts_pinned(capacity: int, policy: int, ops: list[int], call: int) 
 
 
 OBLIGATIONS = (
-    Obligation("prepare_store_safe", CONFIRMED, 240, 20, 46.4),
-    Obligation("mutant_evicts_pinned", REFUTED, 60, 20, 4.9, "prepare_store_safe"),
+    Obligation("prepare_store_safe", CONFIRMED, 1000, 20, 197.7),
+    Obligation("mutant_evicts_pinned", REFUTED, 90, 20, 15.8, "prepare_store_safe"),
 )

@@ -335,12 +335,12 @@ def mutant_store_last_block_only(layout: int, cursor: int, frontier: int, num_gp
 
 
 OBLIGATIONS = (
-    Obligation("storable_prefix_rule", CONFIRMED, 30, 20, 1.2),
-    Obligation("mutant_prompt_only_ignored", REFUTED, 30, 20, 0.5, "storable_prefix_rule"),
-    Obligation("offer_one_step", CONFIRMED, 60, 20, 5.5),
-    Obligation("mutant_no_hold_back", REFUTED, 30, 20, 1.3, "offer_one_step"),
-    Obligation("mutant_first_candidate_skipped", REFUTED, 30, 20, 0.8, "offer_one_step"),
-    Obligation("store_plan_layouts", CONFIRMED, 150, 20, 21.7),
-    Obligation("mutant_store_positions_shifted", REFUTED, 30, 20, 1.9, "store_plan_layouts"),
-    Obligation("mutant_store_last_block_only", REFUTED, 30, 20, 2.0, "store_plan_layouts"),
+    Obligation("storable_prefix_rule", CONFIRMED, 30, 20, 3.7),
+    Obligation("mutant_prompt_only_ignored", REFUTED, 30, 20, 1.7, "storable_prefix_rule"),
+    Obligation("offer_one_step", CONFIRMED, 75, 20, 14.0),
+    Obligation("mutant_no_hold_back", REFUTED, 30, 20, 3.9, "offer_one_step"),
+    Obligation("mutant_first_candidate_skipped", REFUTED, 30, 20, 1.8, "offer_one_step"),
+    Obligation("store_plan_layouts", CONFIRMED, 340, 20, 65.8),
+    Obligation("mutant_store_positions_shifted", REFUTED, 45, 20, 8.3, "store_plan_layouts"),
+    Obligation("mutant_store_last_block_only", REFUTED, 30, 20, 4.7, "store_plan_layouts"),
 )

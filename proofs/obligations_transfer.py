@@ -109,7 +109,7 @@ def mutant_cpu_unbounded(store: bool, bpc: int, num_gpu: int, num_cpu: int,
 
 
 OBLIGATIONS = (
-    Obligation("plan_check_matches_b1_s1", CONFIRMED, 200, 20, 39.0),
-    Obligation("mutant_gpu_bound_inclusive", REFUTED, 60, 20, 10.5, "plan_check_matches_b1_s1"),
-    Obligation("mutant_cpu_unbounded", REFUTED, 90, 20, 13.6, "plan_check_matches_b1_s1"),
+    Obligation("plan_check_matches_b1_s1", CONFIRMED, 720, 20, 143.9),
+    Obligation("mutant_gpu_bound_inclusive", REFUTED, 75, 20, 14.4, "plan_check_matches_b1_s1"),
+    Obligation("mutant_cpu_unbounded", REFUTED, 90, 20, 15.5, "plan_check_matches_b1_s1"),
 )
