@@ -163,7 +163,7 @@ class TransferEngine:
 
     # -- plans -----------------------------------------------------------------------------
 
-    def _storage_error(self, plan: TransferPlan, kinds: int = 0) -> KVCopyError | None:
+    def _storage_error(self, plan: TransferPlan) -> KVCopyError | None:
         """The first pool of a group this plan copies whose memory changed, as an error.
 
         Checked at submit and again on the worker right before the C call: a pool freed or

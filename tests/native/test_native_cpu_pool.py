@@ -212,3 +212,19 @@ def test_a_buffer_inside_a_gpu_tensor_is_refused() -> None:
     with pytest.raises(TransferArgumentError) as info:
         TransferEngine(cfg, tensors, cpu_buffer=buf)
     assert "shares memory" in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["storage_ptr", "storage_nbytes"])
+def test_a_storage_change_in_either_pointer_or_size_alone_is_seen(field: str) -> None:
+    """A pool resized in place may keep its address (realloc grew it where it was) or keep
+    its size at a new address (freed and allocated again); either alone must fail the job.
+    The registration is shifted instead of the storage so the case does not depend on
+    what the allocator happens to return. Kills ``or`` read as ``and`` in the check."""
+    from kvcore.transfer._memory import _pool_of
+
+    pool = _pool_of(torch.zeros(4, 16, dtype=torch.uint8), "group 0's GPU tensor",
+                    torch.device("cpu"))
+    assert pool.changed() is None
+    moved = replace(pool, **{field: getattr(pool, field) + 64})
+    change = moved.changed()
+    assert change is not None and "freed or resized" in change

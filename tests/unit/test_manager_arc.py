@@ -209,3 +209,26 @@ def test_writing_keys_count_towards_capacity(policy: str) -> None:
     assert m.prepare_store(k(3)) is None
     m.complete_store(k(1))
     assert m.prepare_store(k(3)) == PrepareStoreResult(t(3), (0,), t(1))
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_ready_one_by_one_equals_ready_many(policy: str) -> None:
+    """The interface promises ``ready_many`` is ``ready`` for each key in order, so a
+    manager (or a user's) calling either leaves the policy in the same state; the built-in
+    policies override both, so each copy is checked against the other. Kills ARC's
+    ``ready`` forgetting to take the key off the WRITING count (|T1| then stays inflated
+    and ARC evicts from the wrong list)."""
+    one, many = (CPUOffloadManager(4, policy).policy for _ in range(2))
+    for p in (one, many):
+        for key in k(1, 2, 3):
+            p.insert(key)
+    for key in k(1, 2):
+        one.ready(key)
+    many.ready_many(k(1, 2))
+    for p in (one, many):
+        p.discard(k(3)[0])
+        p.touch(k(2))
+    if isinstance(one, ARCPolicy) and isinstance(many, ARCPolicy):
+        assert one.lists() == many.lists() == {"t1": t(1), "t2": t(2), "b1": (), "b2": ()}
+        assert one.t1_size == many.t1_size == 1
+    assert one.choose(2, lambda _key: True) == many.choose(2, lambda _key: True)
