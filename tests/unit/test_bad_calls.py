@@ -325,7 +325,8 @@ def test_bad_call_raises_and_changes_nothing(setup: str, name: str) -> None:
 
 
 def test_error_fields_name_argument_value_and_bound() -> None:
-    """The facts are fields, not only message text (``--json`` output reads them)."""
+    """The facts are fields, not only message text (``--json`` output reads them). Kills
+    a request-id prefix dropped from (or misplaced in) a step's HashError argument."""
     s = SETUPS["checks off"]()
     history(s)
     with pytest.raises(E.BlockIdError) as caught:
@@ -341,6 +342,10 @@ def test_error_fields_name_argument_value_and_bound() -> None:
         s.add_hashes("a", [b"h" * 16])
     assert (hashed.value.argument, hashed.value.value) == ("len(hashes[0])", 16)
     assert "8 bytes" in hashed.value.bound
+    # In a step, the argument names the request whose hash is wrong (among many).
+    with pytest.raises(E.HashError) as in_step:
+        step_of(sr(rid="a", new_hashes=(b"h" * 4,)))(s)
+    assert (in_step.value.argument, in_step.value.value) == ("len(a.new_hashes[0])", 4)
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
