@@ -55,11 +55,10 @@ class GroupKeys:
             # Chunk ends are every hpc-th hash: one strided slice, no index arithmetic.
             return [h + suffix for h in hashes[(start + 1) * hpc - 1:stop * hpc:hpc]]
         n = len(self)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError(f"chunk {index} outside 0..{n - 1}")
-        return hashes[(index + 1) * hpc - 1] + suffix
+        at = index + n if index < 0 else index
+        if not 0 <= at < n:
+            raise IndexError(f"chunk {index} outside 0..{n - 1}")  # the index as passed
+        return hashes[(at + 1) * hpc - 1] + suffix
 
     def __iter__(self) -> Iterator[Key]:
         yield from self[:]

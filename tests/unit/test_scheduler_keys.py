@@ -33,5 +33,8 @@ def test_length_follows_the_hash_list_and_out_of_range_raises() -> None:
     assert len(keys) == 2
     hashes.append(b"\xff" * 4)
     assert len(keys) == 3 and keys[2] == make_key(b"\xff" * 4, 0)
-    with pytest.raises(IndexError):
+    # The message names the valid range (0..n-1), as a list's would not.
+    with pytest.raises(IndexError, match=r"^chunk 3 outside 0\.\.2$"):
         keys[3]
+    with pytest.raises(IndexError, match=r"^chunk -4 outside 0\.\.2$"):
+        keys[-4]
