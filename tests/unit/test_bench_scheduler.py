@@ -48,3 +48,12 @@ def test_every_configuration_stores_and_loads_and_the_summary_has_no_vllm_keys()
         assert float(r["load"]) > 0, r
     summary = text.splitlines()[-1]
     assert summary.startswith("SUMMARY decode_us_per_req_128k=") and "vllm" not in summary
+
+
+def test_a_layout_not_run_reads_nan_in_the_summary() -> None:
+    # Before, a Llama-only run printed Llama's cold lookup as lookup_cold_ms_128k_dsv4.
+    text = run("--no-vllm", "--layouts", "llama")
+    summary = dict(kv.split("=") for kv in text.splitlines()[-1].split()[1:])
+    assert summary["lookup_cold_ms_128k_dsv4"] == "nan"
+    assert summary["lookup_cold_ms_128k_llama"] != "nan"
+    assert "context 1024" in text.splitlines()[-2]
