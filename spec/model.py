@@ -32,16 +32,19 @@ stated here so that the implementation has a definition to match):
 - ``build_step``: a GPU id allocated this step is stale wherever an older table entry holds
   it, so it is zeroed there (never stored under its old key); stores whose fenced sources
   (SLIDING and MAMBA ids from creation, since the engine frees those blocks while the
-  request runs; FULL ids once the request finished) are re-allocated, and every job of a
-  preempted request, are flushed. A request with a load in flight stores nothing that
+  request runs; FULL ids once the request finished), loads whose destinations are
+  re-allocated after their request finished, and every job of a preempted request, are
+  flushed. A request with a load in flight stores nothing that
   step; a ``prepare_store`` answering None moves no cursor.
 - ``worker_output`` counts reports; a job completes at exactly ``num_workers`` (J2).
 - Every hook checks its whole input before it changes anything: a rejected call (an
-  unknown request or job, a duplicate report, block lists of the wrong group count,
+  unknown or finished request, an unknown job or one ``after_alloc`` queued but no
+  ``build_step`` handed out yet, a duplicate report, block lists of the wrong group count,
   hashes or block tables shorter than the tokens claimed) leaves the state as it was.
 - Argument rules (the same errors as the implementation's): the hook dataclasses check
   their own field types when built; on top, a GPU block id is below ``num_gpu_blocks``
-  and is 0 (null) only in a SLIDING/MAMBA group's table; ``allocated_ids`` are
+  and is 0 (null) only in a SLIDING/MAMBA group's table, and no id repeats within the
+  ids one call gives a FULL group; ``allocated_ids`` are
   ``1..num_gpu_blocks-1``; a step names each request once in ``requests`` and once in
   ``preempted``; every hash has the length of the first hash the scheduler accepted;
   ``after_alloc`` loads 0 tokens or exactly the latest lookup's hit, with its
@@ -288,6 +291,14 @@ class ReferenceScheduler:
     # -- derived views (recomputed on every use) -------------------------------------------
 
     def _req(self, request_id: str) -> _Request:
+        """A request a hook may act on: tracked and not finished."""
+        req = self._tracked(request_id)
+        if req.finished:
+            raise UnknownRequestError(f"request {request_id!r} was finished; it stays only "
+                                      "until its jobs settle")
+        return req
+
+    def _tracked(self, request_id: str) -> _Request:
         check_request_id("scheduler", request_id)
         if request_id not in self.requests:
             raise UnknownRequestError(f"request {request_id!r} is not tracked; call "
@@ -433,7 +444,9 @@ class ReferenceScheduler:
             taken, slots = tuple(slots[:len(chosen[g])]), slots[len(chosen[g]):]
             groups.append(GroupTransfer(ids, block_index, taken, chosen[g]))
         plan = TransferPlan(self._new_job_id(), JobKind.LOAD, request_id, tuple(groups))
-        self.jobs[plan.job_id] = _Job(plan)
+        # The engine frees the destinations when the request finishes: fence them then.
+        self.jobs[plan.job_id] = _Job(plan, fence_at_finish=frozenset(
+            gpu_id for g in groups for gpu_id in g.gpu_block_ids if gpu_id != 0))
         req.looked_up = None
         if self.config.store_level is StoreLevel.BLOCK:
             boundary = computed_tokens + load_tokens
@@ -472,6 +485,7 @@ class ReferenceScheduler:
         top = self.config.num_gpu_blocks - 1
         for g, ids in enumerate(tables):
             full = self.config.groups[g].kind is GroupKind.FULL
+            seen: set[int] = set()
             for i, gpu_id in enumerate(ids):
                 if gpu_id > top:
                     raise BlockIdError(where, f"{name}[{g}][{i}]", gpu_id,
@@ -481,6 +495,12 @@ class ReferenceScheduler:
                     raise BlockIdError(where, f"{name}[{g}][{i}]", 0,
                                        f"1..{top}: a FULL group holds no null block",
                                        "pass the real block id", g)
+                if full and gpu_id in seen:  # two positions, one block's bytes
+                    raise BlockIdError(where, f"{name}[{g}][{i}]", gpu_id,
+                                       f"the ids not at positions 0..{i - 1} (a FULL "
+                                       "group's blocks are distinct)",
+                                       "pass each allocated block once", g)
+                seen.add(gpu_id)
 
     @staticmethod
     def _hash_length(where: str, name: str, known: int | None,
@@ -700,6 +720,9 @@ class ReferenceScheduler:
         if job is None:
             return UnknownJobError(f"job {r.job_id} is not in flight (never issued, or "
                                    "already completed)")
+        if any(p.job_id == r.job_id for p in self.queued_loads):
+            return BadReportError(f"job {r.job_id} was queued by after_alloc but not yet "
+                                  "handed to the workers")
         if not 0 <= r.worker < self.config.num_workers:
             return BadReportError(f"job {r.job_id}: worker {r.worker} outside "
                                   f"0..{self.config.num_workers - 1} (num_workers)")
@@ -748,11 +771,11 @@ class ReferenceScheduler:
         return bool(self.jobs)
 
     def jobs_of(self, request_id: str) -> frozenset[int]:
-        self._req(request_id)
+        self._tracked(request_id)
         return frozenset(job.plan.job_id for job in self._jobs_of(request_id))
 
     def tracked_requests(self) -> frozenset[str]:
         return frozenset(self.requests)
 
     def cursors(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._req(request_id).cursors)
+        return tuple(self._tracked(request_id).cursors)

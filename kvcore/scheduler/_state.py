@@ -115,6 +115,7 @@ class Job:
     reporters: set[int] = field(default_factory=set)
     failed: bool = False
     window_sources: frozenset[int] = frozenset()
+    # Fenced when the request finishes: a store's FULL sources, a load's destinations.
     other_sources: frozenset[int] = frozenset()
 
 

@@ -23,10 +23,12 @@ from kvcore.spec.types import GroupKind, OffloadConfig
 
 def check_tables(cfg: OffloadConfig, where: str, name: str,
                  tables: Sequence[Sequence[int]], owner: str = "") -> None:
-    """Every id below ``num_gpu_blocks``; 0 (the null block) only in SLIDING/MAMBA groups.
+    """Every id below ``num_gpu_blocks``; 0 (the null block) only in SLIDING/MAMBA groups;
+    a FULL group's ids distinct within the call.
 
-    A FULL group's blocks all hold KV the engine computed or loads, so a null there is an
-    engine bug that would be stored or loaded as if it were data. ``owner`` (a request id)
+    A FULL group's blocks all hold KV the engine computed or loads, so a null there, or
+    one block at two positions, is an engine bug that would be stored or loaded as if it
+    were data. ``owner`` (a request id)
     prefixes the argument's name in errors; names are built only when one is raised.
     """
     if owner:
@@ -41,11 +43,33 @@ def check_tables(cfg: OffloadConfig, where: str, name: str,
                                f"0..{limit - 1} (num_gpu_blocks={limit})",
                                "pass ids from the engine's GPU block pool, or raise "
                                "num_gpu_blocks to the pool's size", group)
-        if cfg.groups[group].kind is GroupKind.FULL and 0 in ids:
+        if cfg.groups[group].kind is not GroupKind.FULL:
+            continue  # window tables may repeat an id: a freed block comes back later
+        if 0 in ids:
             raise BlockIdError(where, f"{name}[{group}][{list(ids).index(0)}]", 0,
                                f"1..{limit - 1}: a FULL group holds no null block",
                                "pass the real block id; only SLIDING and MAMBA groups "
                                "may pad positions they never read with 0", group)
+        # The C-level set test first: the position is looked for only when there is one.
+        if len(set(ids)) != len(ids) and (at := _first_repeat(ids)) is not None:
+            # One block at two positions: a store would save one chunk's bytes under
+            # several chunks' keys. Checked within the ids given (not the whole table:
+            # that would cost O(context) a step).
+            raise BlockIdError(where, f"{name}[{group}][{at}]", ids[at],
+                               f"the ids not at positions 0..{at - 1} (a FULL group's "
+                               "blocks are distinct)",
+                               "pass each allocated block once: this table repeats one",
+                               group)
+
+
+def _first_repeat(ids: Sequence[int]) -> int | None:
+    """The position of the first id seen before it, or None."""
+    seen: set[int] = set()
+    for at, gpu_id in enumerate(ids):
+        if gpu_id in seen:
+            return at
+        seen.add(gpu_id)
+    return None
 
 
 def check_allocated(cfg: OffloadConfig, ids: frozenset[int]) -> None:

@@ -149,6 +149,17 @@ class OffloadScheduler:
             self._check_keys(req)
 
     def _req(self, request_id: str) -> RequestState:
+        """The request a hook names; a finished one is refused as if gone (it stays only
+        until its jobs settle: storing, loading or looking it up again would act on
+        blocks the engine already freed)."""
+        req = self._tracked(request_id)
+        if req.finished:
+            raise UnknownRequestError(f"request {request_id!r} was finished; it stays only "
+                                      "until its jobs in flight settle (pass a new request "
+                                      "id to start again)")
+        return req
+
+    def _tracked(self, request_id: str) -> RequestState:
         if type(request_id) is not str:
             check_request_id("scheduler", request_id)
         try:
@@ -317,7 +328,11 @@ class OffloadScheduler:
                                      tuple(next(slots) for _ in keys[g]), tuple(keys[g]))
                        for g, gl in enumerate(loads))
         plan = TransferPlan(self._jobs.new_id(), JobKind.LOAD, request_id, groups)
-        self._jobs.add(Job(plan))
+        # Its destinations are fenced once the request finishes (as a store's FULL
+        # sources are): the engine frees them then, and a block handed out again while
+        # the load may still write it must wait for the load (flush).
+        self._jobs.add(Job(plan, other_sources=frozenset(
+            i for g in groups for i in g.gpu_block_ids if i)))
         req.jobs.add(plan.job_id)
         req.looked_up = None
         boundary = computed_tokens + load_tokens
@@ -538,6 +553,7 @@ class OffloadScheduler:
     def _validate_reports(self, reports: list[WorkerReport]) -> list[WorkerReport]:
         seen: set[tuple[int, int]] = set()
         fresh: list[WorkerReport] = []
+        queued = {p.job_id for p in self._queued_loads}
         for r in reports:
             if r.job_id < self._jobs.stale_below:
                 continue
@@ -545,6 +561,10 @@ class OffloadScheduler:
             if job is None:
                 raise UnknownJobError(f"job {r.job_id} is not in flight (never issued, or "
                                       "already completed)")
+            if r.job_id in queued:  # settling it would unpin slots the load still reads
+                raise BadReportError(f"job {r.job_id} was queued by after_alloc but not yet "
+                                     "handed to the workers; report it after the build_step "
+                                     "that returns it")
             if not 0 <= r.worker < self.config.num_workers:
                 raise BadReportError(f"job {r.job_id}: worker {r.worker} outside "
                                      f"0..{self.config.num_workers - 1} (num_workers)")
@@ -585,8 +605,10 @@ class OffloadScheduler:
     def request_finished(self, request_id: str) -> None:
         """The engine finished (or aborted) the request and frees its GPU blocks now.
 
-        Stores still reading its full-attention blocks get those blocks fenced, so a later
-        allocation of any of them flushes the store first (F1). Nothing more is stored.
+        Stores still reading its full-attention blocks, and loads still writing its
+        blocks, get those blocks fenced, so a later allocation of any of them flushes the
+        job first (F1). Nothing more is stored, and every hook but ``worker_output``
+        refuses the request from now on.
         """
         check_request_id("request_finished", request_id)
         req = self._req(request_id)
@@ -641,13 +663,13 @@ class OffloadScheduler:
         return job_id in self._jobs.jobs
 
     def jobs_of(self, request_id: str) -> frozenset[int]:
-        return frozenset(self._req(request_id).jobs)
+        return frozenset(self._tracked(request_id).jobs)
 
     def tracked_requests(self) -> frozenset[str]:
         return frozenset(self._reqs)
 
     def cursors(self, request_id: str) -> tuple[int, ...]:
-        return tuple(self._req(request_id).cursors)
+        return tuple(self._tracked(request_id).cursors)
 
     # -- runtime checks (only with checks on) ---------------------------------------------
 

@@ -354,8 +354,11 @@ class Engine:
         self.next_job_id = max(self.next_job_id, plan.job_id + 1)
 
     def pending_reports(self) -> list[tuple[int, int]]:
-        """(job, worker) pairs not yet reported, live jobs first, then stale ones."""
-        live = [(j, w) for j in sorted(self.unreported) for w in sorted(self.unreported[j])]
+        """(job, worker) pairs not yet reported, live jobs first, then stale ones; a load
+        ``after_alloc`` queued has no worker until the ``build_step`` that hands it out."""
+        queued = {p.job_id for p in self.queued_loads}
+        live = [(j, w) for j in sorted(self.unreported) if j not in queued
+                for w in sorted(self.unreported[j])]
         return live + sorted(self.stale)
 
     def deliver(self, pairs: list[tuple[int, int, bool]]) -> Any:

@@ -253,8 +253,14 @@ BAD: dict[str, Bad] = {
     "worker_output: None for the batch": Bad(lambda s: s.worker_output(None), T),
     "worker_output: a tuple in the batch": Bad(lambda s: s.worker_output([(0, LOAD_JOB)]), T),
     "worker_output: good report then unknown job": Bad(
-        lambda s: s.worker_output([WorkerReport(0, LOAD_JOB), WorkerReport(0, 99)]),
+        lambda s: s.worker_output([WorkerReport(1, STORE_JOB), WorkerReport(0, 99)]),
         E.UnknownJobError),
+    # Settling a load no worker has yet would unpin the slots it is about to read.
+    "worker_output: a load queued, not yet handed out": Bad(
+        lambda s: s.worker_output([WorkerReport(0, LOAD_JOB)]), E.BadReportError),
+    "build_step: a FULL id twice in one table": Bad(lambda s: s.build_step(StepInput(
+        (ScheduledRequest("d", 16, 0, 16, ((41, 41, 42, 43), (45, 46, 47, 48))),), (),
+        frozenset({41, 42, 43, 45, 46, 47, 48}))), E.BlockIdError),
     # -- request_finished and the views -----------------------------------------------------
     "request_finished: unknown request": Bad(lambda s: s.request_finished("zz"),
                                              E.UnknownRequestError),
@@ -363,3 +369,39 @@ def test_a_lookup_hit_is_loaded_once(setup: str) -> None:
     assert snapshot(s) == before
     assert s.lookup("b", 0, 9) == 8
     assert s.after_alloc("b", ((21, 22, 23), (24, 25, 26)), (0, 0), 0, 8) is not None
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_finished_load_is_flushed_when_its_blocks_come_back(setup: str) -> None:
+    """'b' finishes while its load writes blocks 21..26; the engine frees them at once, so
+    the step that hands them to 'd' must flush the load (else it writes d's blocks)."""
+    s = SETUPS[setup]()
+    history(s)
+    assert [p.job_id for p in s.build_step(StepInput((), (), frozenset())).loads] == [LOAD_JOB]
+    s.request_finished("b")
+    plan = s.build_step(StepInput((ScheduledRequest("d", 16, 0, 16, (
+        (21, 22, 23, 24), (25, 26, 27, 28))),), (), frozenset(range(21, 29))))
+    assert LOAD_JOB in plan.flush
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_finished_request_with_jobs_is_refused_by_every_hook(setup: str) -> None:
+    """'a' finishes while store job 1 is in flight: it is kept until the job settles, but
+    no hook may store, look up or extend it again (its blocks are freed)."""
+    s = SETUPS[setup]()
+    history(s)
+    s.request_finished("a")
+    before = snapshot(s)
+    calls = [
+        lambda: s.build_step(StepInput((ScheduledRequest("a", 4, 16, 20, ((31,), (32,)),
+                                                         A[4:5]),), (), frozenset({31, 32}))),
+        lambda: s.add_hashes("a", [A[4]]),
+        lambda: s.lookup("a", 0, 16),
+        lambda: s.after_alloc("a", ((1, 2, 3, 4), (5, 6, 7, 8)), (0, 0), 0, 0),
+        lambda: s.request_finished("a"),
+    ]
+    for call in calls:
+        with pytest.raises(E.UnknownRequestError, match="was finished"):
+            call()
+        assert snapshot(s) == before
+    assert s.jobs_of("a") == {STORE_JOB}  # still there for its report
