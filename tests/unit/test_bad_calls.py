@@ -405,3 +405,16 @@ def test_a_finished_request_with_jobs_is_refused_by_every_hook(setup: str) -> No
             call()
         assert snapshot(s) == before
     assert s.jobs_of("a") == {STORE_JOB}  # still there for its report
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_preempted_request_listed_first_does_not_stop_the_others_storing(setup: str) -> None:
+    """'a' is scheduled and preempted in one step, listed before 'd': 'd' still stores
+    its prompt (held-out seed 32's m24, ``continue`` -> ``break``, passed every test)."""
+    s = SETUPS[setup]()
+    history(s)
+    plan = s.build_step(StepInput(
+        (ScheduledRequest("a", 4, 16, 20, ((31,), (32,)), A[4:5]),
+         ScheduledRequest("d", 16, 0, 16, ((41, 42, 43, 44), (45, 46, 47, 48)))),
+        ("a",), frozenset({31, 32, *range(41, 49)})))
+    assert [p.request_id for p in plan.stores] == ["d"]
