@@ -97,8 +97,10 @@ PRESETS: dict[str, Callable[[], OffloadConfig]] = {
 DEFAULT_PRESET = "deepseek-v4-mtp"
 
 
-def preset(name: str, **overrides: object) -> OffloadConfig:
-    """The named preset, with fields overridden (validated again, like any config)."""
+def preset(name: str, /, **overrides: object) -> OffloadConfig:
+    """The named preset, with fields overridden (validated again, like any config).
+
+    ``name`` is positional-only, so the config's own ``name`` field can be overridden."""
     if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError("preset", f"preset={name!r} is unknown; choose one of "
                           f"{', '.join(sorted(PRESETS))}")

@@ -219,6 +219,9 @@ class StepInput:
         if not isinstance(ids, Set | list | tuple) or isinstance(ids, str | bytes):
             raise ArgumentTypeError(where, "allocated_ids", ids, "a frozenset of ints",
                                     "pass every GPU id handed out this step")
+        if isinstance(ids, list | tuple):
+            # Items first: a list inside (unhashable) must be named, not fail in frozenset.
+            check_ids(where, "allocated_ids", ids)
         allocated = frozenset(ids)
         check_ids(where, "allocated_ids", tuple(allocated))
         object.__setattr__(self, "requests", requests)
@@ -255,8 +258,10 @@ class WorkerReport:
         if type(seconds) not in (float, int):
             raise ArgumentTypeError(where, "seconds", seconds, "float",
                                     "pass the job's duration in seconds")
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise ArgumentRangeError(where, "seconds", seconds, "a finite float >= 0",
+        # An int beyond a float's range (2**1024) overflows isfinite: out of range too.
+        if not (seconds >= 0 and (type(seconds) is int or math.isfinite(seconds))
+                and seconds <= MAX_REPORT_INT):
+            raise ArgumentRangeError(where, "seconds", seconds, "a finite float in 0..2**62",
                                      "pass the job's duration in seconds")
 
 
@@ -354,6 +359,9 @@ def check_capacity(capacity: object) -> None:
             raise ConfigError("capacity", f"capacity has {len(capacity)} per-group entries; "
                               f"give one per group, 1..{MAX_GROUPS}, or one int for all")
         for one in capacity:
+            if isinstance(one, list | tuple):  # one level: an int per group, no deeper
+                raise ConfigError("capacity", f"capacity={capacity!r} nests a list; give "
+                                  "one int per group")
             check_capacity(one)
         return
     if isinstance(capacity, bool) or not isinstance(capacity, int):

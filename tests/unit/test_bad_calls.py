@@ -247,7 +247,9 @@ BAD: dict[str, Bad] = {
     "worker_output: success=1": Bad(report(success=1), T),
     "worker_output: bool worker": Bad(report(worker=False), T),
     "worker_output: NaN seconds": Bad(report(seconds=float("nan")), R),
-    "worker_output: worker outside num_workers": Bad(report(worker=2), E.BadReportError),
+    # (job 1: issued, so the worker is what is wrong; job 3 is still queued)
+    "worker_output: worker outside num_workers": Bad(report(worker=2, job_id=STORE_JOB),
+                                                     E.BadReportError),
     "worker_output: unknown job": Bad(report(job_id=99), E.UnknownJobError),
     "worker_output: already reported": Bad(report(job_id=STORE_JOB), E.BadReportError),
     "worker_output: None for the batch": Bad(lambda s: s.worker_output(None), T),

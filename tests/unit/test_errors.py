@@ -86,3 +86,33 @@ def test_values_in_transfer_messages_are_cut_to_60_characters(length: int) -> No
         assert shown == text
     else:
         assert shown == text[:56] + "...>" and len(shown) == 60
+
+
+# Found by a hostile-input review: each raised a bare builtin before (TypeError from
+# frozenset, OverflowError from math.isfinite, TypeError from preset's signature) or was
+# accepted and failed later (a nested capacity, in stats()).
+@pytest.mark.parametrize("call, error, argument", [
+    (lambda: kvcore.StepInput((), (), [[1]]), errors.ArgumentTypeError, "allocated_ids[0]"),
+    (lambda: kvcore.StepInput((), (), ([1, 2],)), errors.ArgumentTypeError,
+     "allocated_ids[0]"),
+    (lambda: kvcore.WorkerReport(0, 1, seconds=2**1024), errors.ArgumentRangeError,
+     "seconds"),
+    (lambda: kvcore.WorkerReport(0, 1, seconds=10**400), errors.ArgumentRangeError,
+     "seconds"),
+])
+def test_hook_fields_refuse_unhashable_ids_and_huge_durations(call: object, error: type,
+                                                              argument: str) -> None:
+    with pytest.raises(error) as caught:
+        call()  # type: ignore[operator]
+    assert type(caught.value) is error and caught.value.argument == argument  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("capacity", [[[4]], [4, [4, 4]], ((2,),)])
+def test_a_nested_capacity_is_a_config_error(capacity: object) -> None:
+    with pytest.raises(errors.ConfigError, match="nests a list") as caught:
+        kvcore.CPUOffloadManager(capacity)  # type: ignore[arg-type]
+    assert caught.value.field == "capacity"
+
+
+def test_a_preset_can_override_the_config_name() -> None:
+    assert preset("gemma3", name="my-layout").name == "my-layout"

@@ -147,14 +147,18 @@ BAD: dict[str, Bad] = {
     # -- worker reports ----------------------------------------------------------------------
     "worker_output, unknown job": Bad(report((99, 0)), UnknownJobError, "job 99"),
     "worker_output, completed job": Bad(report((C_JOB, 0)), UnknownJobError, f"job {C_JOB}"),
-    "worker_output, good report then unknown job": Bad(report((LOAD_JOB, 0), (99, 0)),
+    # Job 1 is issued and half reported; load job 3 is queued (no worker has it yet).
+    "worker_output, good report then unknown job": Bad(report((STORE_JOB, 1), (99, 0)),
                                                        UnknownJobError, "job 99"),
-    "worker_output, worker outside num_workers": Bad(report((LOAD_JOB, 2)), BadReportError,
-                                                     f"job {LOAD_JOB}"),
+    "worker_output, a queued load": Bad(report((LOAD_JOB, 0)), BadReportError,
+                                        f"job {LOAD_JOB} was queued"),
+    "worker_output, worker outside num_workers": Bad(report((STORE_JOB, 2)), BadReportError,
+                                                     f"job {STORE_JOB}: worker 2"),
     "worker_output, more completions than workers": Bad(
-        report((LOAD_JOB, 0), (LOAD_JOB, 1), (LOAD_JOB, 0)), BadReportError, f"job {LOAD_JOB}"),
-    "worker_output, duplicate in one batch": Bad(report((LOAD_JOB, 1), (LOAD_JOB, 1)),
-                                                 BadReportError, f"job {LOAD_JOB}"),
+        report((STORE_JOB, 1), (STORE_JOB, 1), (STORE_JOB, 0)), BadReportError,
+        f"job {STORE_JOB}: worker 1 reported twice"),
+    "worker_output, duplicate in one batch": Bad(report((STORE_JOB, 1), (STORE_JOB, 1)),
+                                                 BadReportError, f"job {STORE_JOB}: worker 1"),
     "worker_output, duplicate of an earlier batch": Bad(report((STORE_JOB, 0)),
                                                         BadReportError, f"job {STORE_JOB}"),
 }
