@@ -736,7 +736,7 @@ class ReferenceScheduler:
     def request_finished(self, request_id: str) -> None:
         """The engine frees the request's blocks now; its stores' other sources get fenced."""
         check_request_id("request_finished", request_id)
-        req = self._req(request_id)
+        req = self._tracked(request_id)  # finishing again, jobs in flight: no change
         req.finished = True
         jobs = self._jobs_of(request_id)
         if not jobs:

@@ -607,11 +607,11 @@ class OffloadScheduler:
 
         Stores still reading its full-attention blocks, and loads still writing its
         blocks, get those blocks fenced, so a later allocation of any of them flushes the
-        job first (F1). Nothing more is stored, and every hook but ``worker_output``
-        refuses the request from now on.
+        job first (F1). Nothing more is stored, and every hook but ``worker_output`` (and
+        a repeated finish) refuses the request from now on.
         """
         check_request_id("request_finished", request_id)
-        req = self._req(request_id)
+        req = self._tracked(request_id)  # a second finish (jobs still in flight) is a no-op
         req.finished = True
         if not req.jobs:
             self._drop(request_id)

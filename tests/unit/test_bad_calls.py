@@ -400,7 +400,6 @@ def test_a_finished_request_with_jobs_is_refused_by_every_hook(setup: str) -> No
         lambda: s.add_hashes("a", [A[4]]),
         lambda: s.lookup("a", 0, 16),
         lambda: s.after_alloc("a", ((1, 2, 3, 4), (5, 6, 7, 8)), (0, 0), 0, 0),
-        lambda: s.request_finished("a"),
     ]
     for call in calls:
         with pytest.raises(E.UnknownRequestError, match="was finished"):
