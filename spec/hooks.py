@@ -222,8 +222,10 @@ class StepInput:
         if isinstance(ids, list | tuple):
             # Items first: a list inside (unhashable) must be named, not fail in frozenset.
             check_ids(where, "allocated_ids", ids)
-        allocated = frozenset(ids)
-        check_ids(where, "allocated_ids", tuple(allocated))
+            allocated = frozenset(ids)
+        else:  # a set's items are hashable already
+            allocated = frozenset(ids)
+            check_ids(where, "allocated_ids", tuple(allocated))
         object.__setattr__(self, "requests", requests)
         object.__setattr__(self, "preempted", preempted)
         object.__setattr__(self, "allocated_ids", allocated)

@@ -34,8 +34,8 @@ stated here so that the implementation has a definition to match):
   (SLIDING and MAMBA ids from creation, since the engine frees those blocks while the
   request runs; FULL ids once the request finished), loads whose destinations are
   re-allocated after their request finished, and every job of a preempted request, are
-  flushed. A request with a load in flight stores nothing that
-  step; a ``prepare_store`` answering None moves no cursor.
+  flushed. A request with a load in flight stores nothing that step; a ``prepare_store``
+  answering None moves no cursor.
 - ``worker_output`` counts reports; a job completes at exactly ``num_workers`` (J2).
 - Every hook checks its whole input before it changes anything: a rejected call (an
   unknown or finished request, an unknown job or one ``after_alloc`` queued but no
@@ -44,9 +44,8 @@ stated here so that the implementation has a definition to match):
 - Argument rules (the same errors as the implementation's): the hook dataclasses check
   their own field types when built; on top, a GPU block id is below ``num_gpu_blocks``
   and is 0 (null) only in a SLIDING/MAMBA group's table, and no id repeats within the
-  ids one call gives a FULL group; ``allocated_ids`` are
-  ``1..num_gpu_blocks-1``; a step names each request once in ``requests`` and once in
-  ``preempted``; every hash has the length of the first hash the scheduler accepted;
+  ids one call gives a FULL group; ``allocated_ids`` are ``1..num_gpu_blocks-1``; a step
+  names each request once in ``requests`` and once in ``preempted``; every hash has the length of the first hash the scheduler accepted;
   ``after_alloc`` loads 0 tokens or exactly the latest lookup's hit, with its
   ``computed_tokens``, once.
 

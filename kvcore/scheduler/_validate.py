@@ -28,8 +28,8 @@ def check_tables(cfg: OffloadConfig, where: str, name: str,
 
     A FULL group's blocks all hold KV the engine computed or loads, so a null there, or
     one block at two positions, is an engine bug that would be stored or loaded as if it
-    were data. ``owner`` (a request id)
-    prefixes the argument's name in errors; names are built only when one is raised.
+    were data. ``owner`` (a request id) prefixes the argument's name in errors; names are
+    built only when one is raised.
     """
     if owner:
         name = f"{owner}.{name}" if tables else name
