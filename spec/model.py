@@ -45,9 +45,9 @@ stated here so that the implementation has a definition to match):
   their own field types when built; on top, a GPU block id is below ``num_gpu_blocks``
   and is 0 (null) only in a SLIDING/MAMBA group's table, and no id repeats within the
   ids one call gives a FULL group; ``allocated_ids`` are ``1..num_gpu_blocks-1``; a step
-  names each request once in ``requests`` and once in ``preempted``; every hash has the length of the first hash the scheduler accepted;
-  ``after_alloc`` loads 0 tokens or exactly the latest lookup's hit, with its
-  ``computed_tokens``, once.
+  names each request once in ``requests`` and once in ``preempted``; every hash has the
+  length of the first hash the scheduler accepted; ``after_alloc`` loads 0 tokens or
+  exactly the latest lookup's hit, with its ``computed_tokens``, once.
 
 Inputs are the hook dataclasses of ``kvcore.spec.hooks`` (the protocols below say which
 fields are read), checked with ``isinstance`` so that both schedulers reject the same
