@@ -14,13 +14,12 @@ from typing import cast
 
 from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, BadKeyError, ConfigError
 from kvcore.spec.plans import TransferPlan
-from kvcore.spec.types import KEY_GROUP_BYTES, MAX_GROUPS, Key
+from kvcore.spec.types import KEY_GROUP_BYTES, MAX_GROUPS, MAX_HASH_BYTES, Key
 
-# Limits on what a hook accepts. A hash longer than 64 bytes is no hash function an engine
-# uses (SHA-256 is 32, vLLM's are 8-32); a request id of more than 1024 characters is a
-# caller passing the wrong string; 2**40 tokens is far beyond any context length, so a
-# larger count is a units or sign mistake. Report counters stay below 2**62.
-MAX_HASH_BYTES = 64
+# Limits on what a hook accepts. A hash is at most MAX_HASH_BYTES (spec.types); a request
+# id of more than 1024 characters is a caller passing the wrong string; 2**40 tokens is far
+# beyond any context length, so a larger count is a units or sign mistake. Report counters
+# stay below 2**62.
 MAX_REQUEST_ID_CHARS = 1024
 MAX_TOKENS = 1 << 40
 MAX_REPORT_INT = 1 << 62

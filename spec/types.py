@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from kvcore.spec.errors import ConfigError
+from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, ConfigError
 
 # A limit on everything (TigerBeetle): these bound what a config may ask for, so that a
 # typo (a window of 10**12 tokens, bytes given where blocks are meant) is a ConfigError
@@ -49,6 +49,9 @@ MAX_WORKERS = 1 << 10
 # Names are labels in reports and file stems; a path's component is at most 255 bytes.
 MAX_NAME_CHARS = 256
 KEY_GROUP_BYTES = 4
+# A block hash longer than 64 bytes is no hash function an engine uses (SHA-256 is 32,
+# vLLM's are 8-32).
+MAX_HASH_BYTES = 64
 
 
 def cdiv(a: int, b: int) -> int:
@@ -209,6 +212,15 @@ class OffloadConfig:
         return next(iter(sizes)) if sizes else None
 
     def hashes_per_chunk(self, group: int) -> int:
+        """Block hashes per chunk of ``group``; a group this config lacks is refused by
+        name (a list index error would not say which config or which bound)."""
+        if type(group) is not int:
+            raise ArgumentTypeError("OffloadConfig.hashes_per_chunk", "group", group, "int",
+                                    f"pass a group index in 0..{len(self.groups) - 1}")
+        if not 0 <= group < len(self.groups):
+            raise ArgumentRangeError("OffloadConfig.hashes_per_chunk", "group", group,
+                                     f"0..{len(self.groups) - 1}",
+                                     f"config {self.name!r} has {len(self.groups)} groups")
         return self.groups[group].tokens_per_chunk // self.hash_block_tokens
 
 
@@ -447,9 +459,20 @@ def make_key(block_hash: bytes, group: int) -> Key:
     The group is appended as fixed-width big-endian bytes, so two (hash, group) pairs give
     the same key only if both parts are equal, whatever the hash lengths (K1).
     """
+    # ``bytes(8)`` is eight zero bytes and ``bytes("abc")`` a TypeError: only bytes is a hash.
+    if type(block_hash) is not bytes:
+        raise ArgumentTypeError("make_key", "block_hash", block_hash, "bytes",
+                                "pass the block's hash as bytes")
+    if len(block_hash) > MAX_HASH_BYTES:
+        raise ArgumentRangeError("make_key", "len(block_hash)", len(block_hash),
+                                 f"0..{MAX_HASH_BYTES}", "pass one block hash, not a chain")
+    if type(group) is not int:
+        raise ArgumentTypeError("make_key", "group", group, "int", "pass the group's index")
     if not 0 <= group < (1 << (8 * KEY_GROUP_BYTES)):
-        raise ValueError(f"group={group} does not fit in {KEY_GROUP_BYTES} bytes")
-    return bytes(block_hash) + group.to_bytes(KEY_GROUP_BYTES, "big")
+        raise ArgumentRangeError("make_key", "group", group,
+                                 f"0..2**{8 * KEY_GROUP_BYTES}-1 (it must fit in "
+                                 f"{KEY_GROUP_BYTES} bytes)", "pass the group's index")
+    return block_hash + group.to_bytes(KEY_GROUP_BYTES, "big")
 
 
 def key_group(key: Key) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 from itertools import groupby, repeat
+from typing import NoReturn
 
 from kvcore._checks import checks_enabled, enforce
 from kvcore.manager._arc import ARCPolicy
@@ -24,6 +25,7 @@ from kvcore.manager._capacity import check_config, cpu_capacities
 from kvcore.manager._lru import LRUPolicy
 from kvcore.manager._policy import EvictionPolicy
 from kvcore.spec.errors import (
+    ArgumentTypeError,
     ConfigError,
     KeyGroupError,
     KeyNotReadyError,
@@ -77,6 +79,13 @@ class _Pool:
 
 
 _EMPTY = PrepareStoreResult((), (), ())
+
+
+def _bad_group(where: str, group: object) -> NoReturn:
+    """A group index that is not an int: ``"0"`` or ``[0]`` would never match a pool and
+    read as "no pool" (0, None), a silent answer to a wrong question."""
+    raise ArgumentTypeError(f"CPUOffloadManager.{where}", "group", group, "int",
+                            "pass a group index (an int)")
 
 
 # A stored key's record is one int, ``slot << GROUP_BITS | group``, not an object: the
@@ -149,6 +158,8 @@ class CPUOffloadManager(OffloadManager):
 
     def capacity_of(self, group: int) -> int:
         """Slots of ``group``'s pool (0 for a group outside a per-group capacity)."""
+        if type(group) is not int:
+            _bad_group("capacity_of", group)
         if self._per_group is not None:
             return self._per_group[group] if 0 <= group < len(self._per_group) else 0
         return self._capacity if 0 <= group < MAX_GROUPS else 0
@@ -162,6 +173,8 @@ class CPUOffloadManager(OffloadManager):
 
     def policy_of(self, group: int) -> EvictionPolicy | None:
         """Group ``group``'s eviction policy, or None before its pool exists."""
+        if type(group) is not int:
+            _bad_group("policy_of", group)
         pool = self._pools.get(group)
         return None if pool is None else pool.policy
 

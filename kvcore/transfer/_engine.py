@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -115,6 +116,7 @@ class TransferEngine:
         regions atomically: jobs submitted later copy to the new pools. On any error the
         engine is unchanged and keeps the old registration.
         """
+        timeout = _timeout("rebind_gpu_tensors", timeout)
         if isinstance(gpu_tensors, torch.Tensor) or not isinstance(gpu_tensors, (list, tuple)) \
                 or len(gpu_tensors) != len(self._groups):
             raise _bad("gpu_tensors", f"must be a list of {len(self._groups)} lists of tensors, "
@@ -263,7 +265,8 @@ class TransferEngine:
         and by preemption/reset flushes. Ids not in flight count as finished. The results
         stay queued for poll(). TimeoutError if ``timeout`` seconds pass first.
         """
-        ids = set(job_ids)
+        ids = _job_ids(job_ids)
+        timeout = _timeout("wait", timeout)
         with self._cond:
             if not self._cond.wait_for(lambda: not ids & self._pending, timeout):
                 raise TimeoutError(f"jobs {sorted(ids & self._pending)} still running after "
@@ -272,7 +275,7 @@ class TransferEngine:
 
     def drain(self, timeout: float | None = None) -> list[TransferResult]:
         """Wait for every job in flight (before freeing or resizing a registered pool)."""
-        return self.wait(self.in_flight(), timeout)
+        return self.wait(self.in_flight(), _timeout("drain", timeout))
 
     def _worker(self) -> None:
         flight: deque[_Flight] = deque()  # started, not reported, in submission order
@@ -433,3 +436,44 @@ class TransferEngine:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cpu.shape[0]:
             raise _bad("slot", f"{short_repr(slot)} is outside 0..{cpu.shape[0] - 1}")
         return bytes(cpu[slot].tolist())
+
+
+def _timeout(where: str, timeout: object) -> float | None:
+    """A wait's limit in seconds: None (no limit) or a number in 0..threading.TIMEOUT_MAX.
+
+    Checked before waiting: ``"5"`` would fail inside the condition variable after the
+    lock was taken, a negative limit is a sign mistake that reads as "already timed out",
+    NaN never compares, and one beyond TIMEOUT_MAX is an OverflowError deep in the lock.
+    ``math.inf`` means no limit.
+    """
+    if timeout is None:
+        return None
+    if type(timeout) not in (int, float):
+        raise _bad(f"{where}(timeout)", f"{short_repr(timeout)} is a {type(timeout).__name__}; "
+                                        "pass seconds as an int or float, or None to wait "
+                                        "without a limit")
+    seconds = float(cast(float, timeout))
+    if seconds == float("inf"):
+        return None
+    if not 0 <= seconds <= threading.TIMEOUT_MAX:
+        raise _bad(f"{where}(timeout)", f"{short_repr(timeout)} is outside "
+                                        f"0..{threading.TIMEOUT_MAX:g} seconds; pass a "
+                                        "non-negative limit, or None")
+    return seconds
+
+
+def _job_ids(job_ids: object) -> set[int]:
+    """The job ids a wait is for: an iterable of ints (a str, a bare int or None is not).
+
+    A non-int id would never match a job in flight, so the wait would return at once as if
+    the job had finished: the fence it stands for would not hold.
+    """
+    if isinstance(job_ids, str | bytes) or not isinstance(job_ids, Iterable):
+        raise _bad("wait(job_ids)", f"{short_repr(job_ids)} is not a list of job ids; pass "
+                                    "the plans' job ids, e.g. [plan.job_id]")
+    items = list(job_ids)
+    if not set(map(type, items)) <= {int}:
+        bad = next(i for i in items if type(i) is not int)
+        raise _bad("wait(job_ids)", f"holds {short_repr(bad)}, a {type(bad).__name__}; job "
+                                    "ids are ints (plan.job_id)")
+    return set(items)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -452,6 +453,30 @@ def test_wait_returns_results_and_leaves_them_for_poll() -> None:
         assert {r.job_id: r.success for r in waited} == {1: True, 2: False}
         assert sorted(r.job_id for r in engine.poll()) == [1, 2]
         assert engine.poll() == []
+
+
+@pytest.mark.parametrize(("call", "where"), [
+    (lambda e: e.wait(None), "wait(job_ids)"),
+    (lambda e: e.wait(3), "wait(job_ids)"),
+    (lambda e: e.wait("12"), "wait(job_ids)"),
+    (lambda e: e.wait([1, "1"]), "wait(job_ids)"),  # "1" would never match: a silent pass
+    (lambda e: e.wait([[1]]), "wait(job_ids)"),
+    (lambda e: e.wait([1], timeout="x"), "wait(timeout)"),
+    (lambda e: e.wait([1], timeout=-1), "wait(timeout)"),
+    (lambda e: e.wait([1], timeout=math.nan), "wait(timeout)"),
+    (lambda e: e.wait([1], timeout=True), "wait(timeout)"),
+    (lambda e: e.drain(timeout=1e300), "drain(timeout)"),
+    (lambda e: e.rebind_gpu_tensors([], timeout="5"), "rebind_gpu_tensors(timeout)"),
+])
+def test_a_bad_wait_argument_is_named_before_waiting(call: object, where: str) -> None:
+    """Not a bare TypeError from the condition variable, nor an id that never matches
+    (the fence it stands for would pass at once); the engine goes on working."""
+    with make_engine((1,), layers=1)[0] as engine:
+        with pytest.raises(TransferArgumentError, match=rf"^{re.escape(where)}: "):
+            call(engine)  # type: ignore[operator]
+        engine.submit(TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((1,), 0, (0,)),)))
+        assert [r.success for r in engine.wait((1,), timeout=math.inf)] == [True]
+        assert engine.drain(timeout=60) == []  # nothing in flight any more
 
 
 def test_a_descriptor_index_maps_to_its_plan_group() -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.presets import PRESETS
-from kvcore.spec.errors import KeyGroupError
+from kvcore.spec.errors import ArgumentTypeError, KeyGroupError
 from kvcore.spec.manager_model import ReferenceManager
 from kvcore.spec.types import MAX_GROUPS, Key, make_key
 
@@ -134,3 +134,15 @@ def test_for_config_sizes_each_pool_as_the_transfer_engine(name: str) -> None:
     assert m.stats().capacity == sum(caps)
     with pytest.raises(KeyGroupError):
         m.prepare_store([key("a", len(cfg.groups))])
+
+
+@pytest.mark.parametrize("group", ["0", None, 1.5, True, [0]])
+@pytest.mark.parametrize("method", ["capacity_of", "policy_of"])
+def test_a_group_that_is_not_an_int_is_named(method: str, group: object) -> None:
+    """``"0"`` or ``[0]`` matches no pool, so the answer would be 0 / None: "no pool" for a
+    question that was never valid. An int outside every pool still answers 0 / None."""
+    m = CPUOffloadManager([4, 2])
+    with pytest.raises(ArgumentTypeError, match=rf"^CPUOffloadManager.{method}: group="):
+        getattr(m, method)(group)
+    assert [m.capacity_of(g) for g in (0, 1, 2, -1)] == [4, 2, 0, 0]
+    assert m.policy_of(0) is not None and m.policy_of(2) is None

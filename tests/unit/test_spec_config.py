@@ -12,6 +12,7 @@ must name; a table of valid real layouts; and Hypothesis properties for ``make_k
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -20,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcore.scheduler._rules import keep_rule
-from kvcore.spec.errors import ConfigError
+from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, ConfigError
 from kvcore.spec.invariants import KeyRecord, k1_keys_distinct
 from kvcore.spec.types import (
     KEY_GROUP_BYTES,
@@ -30,6 +31,7 @@ from kvcore.spec.types import (
     MAX_CPU_BLOCKS,
     MAX_GPU_BLOCKS,
     MAX_GROUPS,
+    MAX_HASH_BYTES,
     MAX_NAME_CHARS,
     MAX_TOKENS_PER_BLOCK,
     MAX_WORKERS,
@@ -317,8 +319,36 @@ def test_hash_suffix_that_looks_like_a_group_does_not_collide() -> None:
 
 @pytest.mark.parametrize("group", [-1, 1 << (8 * KEY_GROUP_BYTES)])
 def test_group_out_of_key_range_is_refused(group: int) -> None:
-    with pytest.raises(ValueError, match="group"):
+    with pytest.raises(ArgumentRangeError, match=r"^make_key: group="):
         make_key(b"h", group)
+
+
+@pytest.mark.parametrize(("block_hash", "group", "error", "argument"), [
+    (8, 0, ArgumentTypeError, "block_hash"),  # bytes(8) would be eight zero bytes
+    ("abc", 0, ArgumentTypeError, "block_hash"),
+    (None, 0, ArgumentTypeError, "block_hash"),
+    (bytearray(b"h"), 0, ArgumentTypeError, "block_hash"),
+    (bytes(MAX_HASH_BYTES + 1), 0, ArgumentRangeError, "len(block_hash)"),
+    (b"h", 1.5, ArgumentTypeError, "group"),
+    (b"h", None, ArgumentTypeError, "group"),
+    (b"h", True, ArgumentTypeError, "group"),
+])
+def test_make_key_names_a_wrong_argument(block_hash: object, group: object,
+                                         error: type[Exception], argument: str) -> None:
+    with pytest.raises(error, match=rf"^make_key: {re.escape(argument)}="):
+        make_key(block_hash, group)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("group", "error"), [
+    (2, ArgumentRangeError), (-1, ArgumentRangeError), ("0", ArgumentTypeError),
+    (None, ArgumentTypeError), (True, ArgumentTypeError)])
+def test_hashes_per_chunk_names_a_group_the_config_lacks(group: object,
+                                                         error: type[Exception]) -> None:
+    cfg = build(BASE_GROUPS)  # two groups: -1 would have read the last one
+    with pytest.raises(error, match=r"^OffloadConfig.hashes_per_chunk: group="):
+        cfg.hashes_per_chunk(group)  # type: ignore[arg-type]
+    assert [cfg.hashes_per_chunk(g) for g in (0, 1)] == [16 // cfg.hash_block_tokens,
+                                                        4 // cfg.hash_block_tokens]
 
 
 @given(st.lists(st.binary(min_size=8, max_size=8), max_size=24, unique=True))
