@@ -279,6 +279,14 @@ class ReferenceScheduler:
         self.config = config
         self.manager = manager if manager is not None else ReferenceManager(
             (config.num_cpu_blocks,) * len(config.groups), config.max_pending_events)
+        # Every group's chunks need a pool: a store of a group without one could only fail
+        # after its step had already changed the request tables. (A test's stand-in tier
+        # without capacity_of is taken as it is.)
+        capacity_of = getattr(self.manager, "capacity_of", None)
+        lacking = [] if capacity_of is None else [
+            g for g in range(len(config.groups)) if capacity_of(g) == 0]
+        if lacking:
+            raise ConfigError("manager", f"no CPU pool for group(s) {lacking}")
         self.hash_len: int | None = None  # the length of every hash, once one is seen
         self.requests: dict[str, _Request] = {}
         self.jobs: dict[int, _Job] = {}

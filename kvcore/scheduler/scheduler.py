@@ -41,6 +41,7 @@ from kvcore.spec.errors import (
     ArgumentTypeError,
     BadReportError,
     BadStepError,
+    ConfigError,
     UnknownJobError,
     UnknownRequestError,
 )
@@ -93,6 +94,22 @@ MANAGER_METHODS = ("lookup", "touch", "prepare_load", "complete_load", "prepare_
                    "complete_store", "reset", "take_events", "stats")
 
 
+def _check_pools(config: OffloadConfig, manager: Any) -> None:
+    """A manager with no pool for one of the config's groups fails at the first store of
+    that group, after the step that made the store had changed the scheduler (tables
+    extended, the stale-window step advanced). Refused here, where the fix is obvious.
+    A manager without ``capacity_of`` (an engine's own) is trusted."""
+    capacity_of = getattr(manager, "capacity_of", None)
+    if not callable(capacity_of):
+        return
+    lacking = [g for g in range(len(config.groups)) if not capacity_of(g)]
+    if lacking:
+        raise ConfigError("manager", f"the manager has no CPU pool for group(s) {lacking} of "
+                          f"config {config.name!r} ({len(config.groups)} groups); build it "
+                          "with kvcore.CPUOffloadManager.for_config(config), or give it one "
+                          "capacity per group")
+
+
 class OffloadScheduler:
     """Decides loads and stores for every request; owns no bytes and no pointers.
 
@@ -110,6 +127,7 @@ class OffloadScheduler:
             raise ArgumentTypeError("OffloadScheduler", "manager", manager,
                                     "an offload manager (it lacks " + ", ".join(missing) + ")",
                                     "pass kvcore.CPUOffloadManager.for_config(config)")
+        _check_pools(config, manager)
         self.check = checks_enabled(check)
         self.config = config
         self.manager = manager

@@ -207,3 +207,23 @@ def test_history_is_what_the_rows_assume() -> None:
         history(s)
         assert s.jobs_of("a") == {STORE_JOB} and s.jobs_of("b") == {LOAD_JOB}
         assert s.tracked_requests() == {"a", "b", "d"}
+
+
+@pytest.mark.parametrize("kind", ["impl", "model"])
+def test_a_manager_without_a_pool_for_a_group_is_refused_at_construction(kind: str) -> None:
+    """One capacity for a two-group config: group 1's first store would raise
+    KeyGroupError inside build_step, after the step had extended the tables. Refused up
+    front, naming the field and the group."""
+    from kvcore.spec.errors import ConfigError
+    from kvcore.spec.manager_model import ReferenceManager
+    assert len(CFG.groups) == 2
+    make: Callable[[], object] = (
+        (lambda: OffloadScheduler(CFG, CPUOffloadManager([4]))) if kind == "impl"
+        else (lambda: ReferenceScheduler(CFG, ReferenceManager((4,)))))
+    with pytest.raises(ConfigError, match=r"^manager: .*group.*\b1\b"):
+        make()
+    if kind == "impl":  # one int is every group's capacity; one per group is fine too
+        OffloadScheduler(CFG, CPUOffloadManager(4))
+        OffloadScheduler(CFG, CPUOffloadManager([4, 4]))
+    else:
+        ReferenceScheduler(CFG, ReferenceManager((4, 4)))
