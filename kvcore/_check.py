@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shlex
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ from kvcore._proofs import ProofReport
 from kvcore._scenarios import SCENARIOS, ScenarioFailure, tallied
 from kvcore.scheduler import OffloadScheduler
 from kvcore.sim import IntegrityError, SimOptions, Simulator
+from kvcore.sim._engine import NotSettled
 from kvcore.sim._machine import make_machine
 from kvcore.spec.errors import InvariantViolation, KVCopyError
 from kvcore.spec.invariants import INVARIANT_IDS
@@ -158,8 +160,8 @@ def classify(exc: BaseException) -> tuple[str, list[str]]:
         return "integrity", [exc.id]
     if isinstance(exc, KVCopyError):
         return "invariant", ["B1"]
-    if isinstance(exc, StageHang) or (isinstance(exc, AssertionError)
-                                      and "settle" in str(exc)):
+    if isinstance(exc, StageHang | NotSettled) or (isinstance(exc, AssertionError)
+                                                   and "settle" in str(exc)):
         return "liveness", ["liveness"]
     return "crash", [type(exc).__name__]
 
@@ -255,14 +257,48 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
                 kind, ids = classify(exc)
                 extra = " --lockstep" if lockstep else " --hostile" if hostile else ""
                 result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                         f"kvcore simulate --preset {preset} --seed {seed} "
-                                         f"--check-options{extra}", stage, str(seed))
+                                         f"kvcore simulate {layout_flag(preset)} --seed "
+                                         f"{seed} --check-options{extra}", stage, str(seed))
                 return
             finally:
                 if sim is not None:
                     sim.transfer.close()
                     _add_counts(result.checked,
                                 [sim.scheduler.checked, sim.checked, sim.manager.checked])
+
+
+# -- reproducers --------------------------------------------------------------------------
+# A stage's ``preset`` argument names the layout it ran on: a preset or zoo layout, or the
+# path of the user's TOML file (``kvcore check --config``). Each failure prints a command
+# that re-runs the failing part on that layout, so it must name it the way the user can.
+
+
+def _is_file(layout_ref: str) -> bool:
+    from kvcore.presets import PRESETS
+    from kvcore.zoo import LAYOUTS
+    return layout_ref not in PRESETS and layout_ref not in LAYOUTS
+
+
+def layout_flag(layout_ref: str) -> str:
+    """The CLI option that selects the layout: ``--preset NAME`` or ``--config PATH``."""
+    if _is_file(layout_ref):
+        return f"--config {shlex.quote(layout_ref)}"
+    return f"--preset {layout_ref}"
+
+
+def layout_import(layout_ref: str) -> str:
+    """The import that makes ``layout(layout_ref)`` build the layout in Python."""
+    if _is_file(layout_ref):
+        return "from kvcore._configfile import load_config as layout"
+    return "from kvcore.zoo import layout"
+
+
+def python_c(code: str) -> str:
+    """``python -c CODE`` as one shell word: in double quotes where nothing in CODE is
+    special inside them (so the layout's quoted name survives), else shlex's quoting."""
+    if not set(code) & set('"$`\\!'):
+        return f'python -c "{code}"'
+    return f"python -c {shlex.quote(code)}"
 
 
 def run_machine(config: OffloadConfig, examples: int, steps: int, result: BatteryResult,
@@ -312,11 +348,10 @@ def run_directed(config: OffloadConfig, result: BatteryResult, *, preset: str = 
                     scenario(_counting(factory or OffloadScheduler, made), config)
             except Exception as exc:  # every failure is reported, whatever its type
                 kind, ids = classify(exc)
-                layout_expr = f"preset({preset!r})" if preset else "<your config>"
                 result.failure = Failure(
                     kind, ids, f"{type(exc).__name__}: {exc}",
-                    "python -c 'from kvcore._scenarios import *; from kvcore.zoo import "
-                    f"layout as preset; {scenario.__name__}(OffloadScheduler, {layout_expr})'",
+                    python_c(f"from kvcore._scenarios import *; {layout_import(preset)}; "
+                             f"{scenario.__name__}(OffloadScheduler, layout({preset!r}))"),
                     "directed", scenario.__name__)
                 return
             finally:
@@ -350,9 +385,9 @@ def run_copy(config: OffloadConfig, cases: int, result: BatteryResult, preset: s
     except Exception as exc:  # every failure is reported, whatever its type
         kind, ids = classify(exc)
         result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                 "python -c 'from kvcore._copycheck import run_copy_library; "
-                                 "from kvcore.zoo import layout; run_copy_library(layout("
-                                 f"{preset!r}), {cases}, {{}})'",
+                                 python_c("from kvcore._copycheck import run_copy_library; "
+                                          f"{layout_import(preset)}; run_copy_library(layout("
+                                          f"{preset!r}), {cases}, {{}})"),
                                  "copy library", "0")
 
 
@@ -372,9 +407,10 @@ def run_engine_stage(config: OffloadConfig, result: BatteryResult, preset: str, 
         call = "run_setup(config, {})" if setup else \
             f"run_transfer_engine(config, {_enginecheck.ENGINE_CASES}, {{}})"
         result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                 "python -c 'from kvcore._enginecheck import *; from "
-                                 f"kvcore.zoo import layout; config = layout({preset!r}); "
-                                 f"{call}'", "set-up" if setup else "transfer engine", "0")
+                                 python_c(f"from kvcore._enginecheck import *; "
+                                          f"{layout_import(preset)}; config = layout("
+                                          f"{preset!r}); {call}"),
+                                 "set-up" if setup else "transfer engine", "0")
 
 
 def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int,
@@ -426,7 +462,7 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
     if result.failure is None:
         result.failure = unnamed
     if result.failure is None:
-        result.failure = unchecked(result, f"kvcore check --no-proofs --preset {preset} "
+        result.failure = unchecked(result, f"kvcore check --no-proofs {layout_flag(preset)} "
                                    f"--seeds {seeds} --examples {examples} --steps {steps}")
     result.seconds = time.perf_counter() - start
     return result

@@ -34,6 +34,7 @@ from kvcore.scheduler import (
 )
 from kvcore.sim._shadow import ShadowedManager
 from kvcore.spec.types import (
+    MAX_GPU_BLOCKS,
     GroupKind,
     OffloadConfig,
     Status,
@@ -377,10 +378,15 @@ def finished_then_follow_ups(factory: Factory, config: OffloadConfig) -> None:
     the bytes a prefill computed, never a chunk stored from A's unwritten tail."""
     from kvcore.sim import SimOptions, Simulator
     unit = unit_tokens(config)
+    # The scenario's own pool, as every other stage has: the layout's num_gpu_blocks is
+    # the engine's, and one too small for three units would stop the run, not test it.
+    longest = 3 * unit + 16  # C: two units, one more, new tokens and draft tokens
+    gpu = min(MAX_GPU_BLOCKS, max(4096, 1 + 2 * sum(cdiv(longest, g.tokens_per_block)
+                                                    for g in config.groups)))
     opts = SimOptions(seed=0, requests=0, context_tokens=unit, max_new_tokens=8,
                       prefill_budget=4 * unit, max_running=1, fail_rate=0.0,
                       delay_rate=0.0, abort_rate=0.0, reset_rate=0.0, num_workers=1,
-                      num_gpu_blocks=None, num_cpu_blocks=4096, policy="lru")
+                      num_gpu_blocks=gpu, num_cpu_blocks=4096, policy="lru")
     sim = Simulator(config, opts, check=True, scheduler_factory=factory)
     try:
         a = sim.reqs[sim.add_request(sim.prompts.tokens(2 * unit - 1))]

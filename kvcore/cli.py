@@ -198,7 +198,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     print("battery:", flush=True)
-    result = _check.run_battery(config, preset=name, seeds=args.seeds,
+    # Reproducers name the layout as the user did: the preset, or the TOML file's path.
+    ref = args.config or name
+    result = _check.run_battery(config, preset=ref, seeds=args.seeds,
                                 examples=args.examples, steps=args.steps, progress=progress)
     table = _check.invariant_table(result)
     report["invariants"] = table
@@ -213,7 +215,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if result.failure is not None:
         report["failure"] = asdict(result.failure)
         code = _report_failure(result.failure)
-    if args.mutants and not _run_mutants(args, report, name, config, progress):
+    if args.mutants and not _run_mutants(args, report, ref, config, progress):
         code = code or EXIT_FAIL
     if code == EXIT_OK and inconclusive:
         code = EXIT_INCONCLUSIVE

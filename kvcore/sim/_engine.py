@@ -32,7 +32,7 @@ from kvcore.sim._hostile import Hostile
 from kvcore.sim._lockstep import paired
 from kvcore.sim._shadow import ShadowedManager
 from kvcore.sim._workload import PromptSource, SimOptions
-from kvcore.spec.errors import KVCoreError
+from kvcore.spec.errors import ConfigError, KVCoreError
 from kvcore.spec.invariants import FailureRecord, TransferOutcomeRecord
 from kvcore.spec.plans import TransferPlan, sub_block_position
 from kvcore.spec.types import GroupKind, OffloadConfig, Status, cdiv
@@ -44,6 +44,11 @@ SHADOW_MAX_CHUNKS = 8192
 
 class IntegrityError(AssertionError):
     """A loaded block does not hold the bytes of the prefix it was loaded for."""
+
+
+class NotSettled(RuntimeError):
+    """A run still had requests or jobs after ``max_steps`` steps: a liveness failure
+    (``kvcore`` exit code 3), not a crash."""
 
 
 @dataclass
@@ -232,6 +237,22 @@ class Simulator:
             new.append(ids)
         return new
 
+    def _check_servable(self, req: SimRequest, upto_tokens: int, resume: int) -> None:
+        """Refuse a pool too small for ``req`` alone, which no preemption can cure: it would
+        be admitted, preempted and re-admitted until ``max_steps`` (20,000 steps of nothing).
+        The count is what ``_allocate`` must hold at once: every table position from the
+        group's floor to ``upto_tokens``, whoever holds the rest of the pool."""
+        alone = sum(cdiv(upto_tokens, g.tokens_per_block) - min(
+            self._floor(group, resume), cdiv(upto_tokens, g.tokens_per_block))
+            for group, g in enumerate(self.config.groups))
+        usable = self.config.num_gpu_blocks - 1
+        if alone > usable:
+            raise ConfigError("num_gpu_blocks", f"request {req.request_id} needs {alone} GPU "
+                              f"blocks at once at token {upto_tokens} ({len(self.config.groups)}"
+                              f" groups), more than the pool's {usable} (block 0 is the null "
+                              "block); raise num_gpu_blocks, or shorten the prompts "
+                              "(--context) and --max-new-tokens")
+
     # -- the step ------------------------------------------------------------------------
 
     def done(self) -> bool:
@@ -242,8 +263,8 @@ class Simulator:
         """Step until every request finished and every job settled (bounded)."""
         while not self.done():
             if self.step_no >= self.options.max_steps:
-                raise RuntimeError(f"simulation did not settle in {self.options.max_steps} "
-                                   "steps (liveness)")
+                raise NotSettled(f"simulation did not settle in {self.options.max_steps} "
+                                 "steps (liveness)")
             self.step()
         self.transfer.close()
         return self.counters
@@ -323,6 +344,7 @@ class Simulator:
             while ids is None and self._preempt_one(req, preempted, scheduled):
                 ids = self._allocate(req, upto, req.computed, allocated)
             if ids is None:
+                self._check_servable(req, upto, req.computed)
                 self._preempt(req, preempted)
                 continue
             scheduled.append((req, n, tuple(ids)))
@@ -377,9 +399,10 @@ class Simulator:
                 continue
             resume = cached + hit
             first = self._prefill_size(len(req.tokens) - cached, self.options.prefill_budget)
-            ids = self._allocate(req, resume if hit else cached + max(first, 1), resume,
-                                 allocated)
+            upto = resume if hit else cached + max(first, 1)
+            ids = self._allocate(req, upto, resume, allocated)
             if ids is None:
+                self._check_servable(req, upto, resume)
                 return
             self.waiting.remove(req)
             self.running.append(req)

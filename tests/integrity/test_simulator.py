@@ -231,3 +231,28 @@ def test_aligned_prompts_end_on_the_largest_chunk_and_run_clean() -> None:
     lengths = {r.prompt_len for r in sim.reqs.values()}
     assert lengths and all(n % 256 in (0, 1) for n in lengths), lengths
     assert {n % 256 for n in lengths} == {0, 1}, lengths
+
+
+@pytest.mark.parametrize("gpu", [2, 6])
+def test_a_pool_too_small_for_one_request_is_a_config_error(gpu: int) -> None:
+    """A request that alone needs more GPU blocks than the pool has is admitted,
+    preempted and re-admitted forever: the run used to spin to max_steps and end in a
+    RuntimeError (a "crash"). It is refused at the first allocation that cannot succeed,
+    naming num_gpu_blocks and the count. (gemma3: two groups, so 2 blocks at least.)"""
+    from kvcore.spec.errors import ConfigError
+    opts = SimOptions(seed=0, requests=2, context_tokens=64, max_new_tokens=2,
+                      num_gpu_blocks=gpu, max_steps=400)
+    with pytest.raises(ConfigError, match=rf"^num_gpu_blocks: request r\d+ needs \d+ GPU "
+                                          rf"blocks.* pool's {gpu - 1}\b") as info:
+        Simulator(preset("gemma3"), opts, check=True).run()
+    assert int(str(info.value).split(" needs ")[1].split()[0]) > gpu - 1
+
+
+def test_a_run_that_does_not_settle_is_liveness_not_a_crash() -> None:
+    """``kvcore simulate`` exits 3 (liveness) for a run past max_steps, not 4 (crash)."""
+    from kvcore._check import classify
+    from kvcore.sim._engine import NotSettled
+    opts = SimOptions(seed=0, requests=4, context_tokens=200, max_steps=3)
+    with pytest.raises(NotSettled) as info:
+        Simulator(preset("gemma3"), opts, check=True).run()
+    assert classify(info.value) == ("liveness", ["liveness"])

@@ -291,3 +291,61 @@ def test_a_coverage_failure_is_no_catch_of_a_zoo_mutant(monkeypatch: pytest.Monk
     mutant = zoo.MUTANTS[0]
     outcome = _check.run_mutant(mutant, seeds=1, examples=1, steps=1)
     assert outcome.status in ("survived", "n/a"), outcome
+
+
+def test_the_follow_ups_scenario_brings_its_own_pool() -> None:
+    """``kvcore check`` runs every stage on the user's layout with the stage's own pool
+    sizes; this scenario took the layout's num_gpu_blocks, so a small engine pool (2
+    blocks here) ended the check in a crash instead of checking the layout."""
+    from dataclasses import replace
+
+    from kvcore._scenarios import finished_then_follow_ups
+    finished_then_follow_ups(OffloadScheduler, replace(preset("gemma3"), num_gpu_blocks=2))
+
+
+def _crash(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError("forced by the test")
+
+
+@pytest.mark.parametrize("source", ["preset", "file"])
+def test_every_stage_reproducer_is_a_command_that_runs(
+        source: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing stage prints a command that re-runs it on the user's layout. They were
+    not runnable: ``python -c '...layout('gpt-oss')'`` lost its inner quotes in the shell
+    (``layout(gpt-oss)``), and a ``--config`` layout was named by its file stem, which
+    no preset has. Each stage is made to crash here; its reproducer must then run clean
+    against the unmutated code (exit 0) in a fresh shell."""
+    import os
+    import subprocess
+    import sys
+
+    from kvcore import _copycheck, _enginecheck, _scenarios
+    if source == "file":
+        (tmp_path / "my layout.toml").write_text('preset = "gpt-oss"\nnum_gpu_blocks = 2\n')
+        ref, config = str(tmp_path / "my layout.toml"), preset("gpt-oss")
+    else:
+        ref, config = "gpt-oss", preset("gpt-oss")
+    monkeypatch.setattr(_scenarios, "SCENARIOS", _scenarios.SCENARIOS[:1])
+    monkeypatch.setattr(_check, "SCENARIOS", _scenarios.SCENARIOS[:1])
+    monkeypatch.setattr(_check, "_counting", lambda *_: _crash)
+    monkeypatch.setattr(_copycheck, "run_copy_library", _crash)
+    monkeypatch.setattr(_enginecheck, "run_setup", _crash)
+    monkeypatch.setattr(_check.Simulator, "run", _crash)
+    stages: dict[str, Any] = {
+        "directed": lambda r: _check.run_directed(config, r, preset=ref),
+        "copy library": lambda r: _check.run_copy(config, 100, r, ref),
+        "set-up": lambda r: _check.run_engine_stage(config, r, ref, setup=True),
+        "simulations": lambda r: _check.run_sims(config, 1, r, preset=ref),
+    }
+    if source == "preset":
+        del stages["simulations"]  # the same flag path as the check's; one sim is enough
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep
+               + os.environ.get("PATH", ""))
+    for stage, run in stages.items():
+        result = _check.BatteryResult()
+        run(result)
+        assert result.failure is not None and "forced by the test" in result.failure.message
+        command = result.failure.reproducer
+        done = subprocess.run(["bash", "-c", command], env=env, capture_output=True,
+                              text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, (stage, command, done.stderr[-2000:])
