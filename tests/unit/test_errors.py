@@ -99,6 +99,10 @@ def test_values_in_transfer_messages_are_cut_to_60_characters(length: int) -> No
      "seconds"),
     (lambda: kvcore.WorkerReport(0, 1, seconds=10**400), errors.ArgumentRangeError,
      "seconds"),
+    # A float past the bound (the int check alone would let 1e300 through).
+    (lambda: kvcore.WorkerReport(0, 1, seconds=float(2**63)), errors.ArgumentRangeError,
+     "seconds"),
+    (lambda: kvcore.WorkerReport(0, 1, seconds=1e300), errors.ArgumentRangeError, "seconds"),
 ])
 def test_hook_fields_refuse_unhashable_ids_and_huge_durations(call: object, error: type,
                                                               argument: str) -> None:
