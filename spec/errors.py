@@ -101,6 +101,20 @@ class BadStepError(KVCoreError, ValueError):
     """A hook's arguments contradict the config or the request (group count, hashes)."""
 
 
+class CallOrderError(KVCoreError, RuntimeError):
+    """A call the protocol does not allow now: a hook on the wrong side of a connector, a
+    step hook called twice for one step, a use of a closed engine, a registration repeated.
+
+    Raised before anything changes; ``where`` names the call. A repeated step hook would
+    submit the step's jobs twice, and the duplicate reports would make the scheduler
+    refuse the good one with them, leaving the job in flight for good.
+    """
+
+    def __init__(self, where: str, message: str) -> None:
+        self.where = where
+        super().__init__(f"{where}: {message}")
+
+
 class BlockTableError(KVCoreError, ValueError):
     """The engine's block table cannot hold what it claims (too short, or a null inside)."""
 

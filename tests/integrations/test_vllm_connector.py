@@ -250,3 +250,141 @@ def test_stats_are_interval_deltas_and_reach_prometheus() -> None:
     prom.observe(first.data, 0)
     assert registry.get_sample_value("vllm:kvcore_chunks_stored_total",
                                      {"engine": "0"}) == 10
+
+
+# -- hostile calls (a second review's findings) ------------------------------------------------
+
+def _one_group() -> Harness:
+    groups = [KVCacheGroupSpec(["t0"], attention())]
+    return Harness(vllm_config({"cpu_bytes": 64 * PAGE, "check": True}),
+                   kv_cache_config(64, groups))
+
+
+@pytest.mark.parametrize("hook", ["start_load_kv", "wait_for_save"])
+def test_a_step_hook_called_twice_is_refused_and_the_jobs_still_settle(hook: str) -> None:
+    """vLLM calls each once per step. Called again (after the first jobs finished), the
+    step's jobs were submitted a second time, the rank reported them twice, and the
+    scheduler refused the whole report, the good one with it: the job stayed in flight
+    and every later request sharing its prefix was deferred for good."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvcore.spec.errors import CallOrderError
+    h = _one_group()
+    a = h.new_request("A", list(range(33)))
+    h.admit(a)
+    if hook == "start_load_kv":  # A stores its prompt; B then loads it
+        h.step({"A": 32})
+        h.step({"A": 1})
+        h.finish(a)
+        a = h.new_request("B", list(range(33)))
+        assert h.admit(a) == 32
+    w = h.worker
+    refused: list[int] = []
+
+    def run(meta: Any, work: dict[str, int], deliver: bool, fail_loads: bool) -> Any:
+        w.bind_connector_metadata(meta)
+        w.handle_preemptions(meta)
+        w.start_load_kv(None)
+        for rid, n in work.items():
+            h.forward(h.live[rid], n)
+        w.wait_for_save()
+        assert w.worker is not None
+        w.worker.drain(timeout=60)
+        plans = jobs(meta, JobKind.LOAD if hook == "start_load_kv" else JobKind.STORE)
+        with pytest.raises(CallOrderError, match=rf"^{hook}: this step's jobs"):
+            if hook == "start_load_kv":
+                w.start_load_kv(None)
+            else:
+                w.wait_for_save()
+        refused.extend(p.job_id for p in plans)
+        results = w.get_transfer_results(set())
+        out = KVConnectorOutput(finished_recving=results.finished_recving,
+                                failed_recving=results.failed_recving, invalid_block_ids=set(),
+                                kv_connector_worker_meta=w.build_connector_worker_meta())
+        w.clear_connector_metadata()
+        h.sched.update_connector_output(out)  # one report per job: accepted
+        return out
+
+    h._run_worker = run  # type: ignore[method-assign]
+    h.step({} if hook == "start_load_kv" else {"A": 32})
+    assert refused  # the step had jobs of that kind, and the repeat was refused
+    del h._run_worker
+    assert h.sched.sched.scheduler.jobs_of(a.request.request_id) == set()
+    assert not h.sched.has_pending_push_work()
+
+
+def test_registering_the_kv_caches_again_is_refused() -> None:
+    """A second TransferEngine would leave the first one's jobs unpolled for good."""
+    from kvcore.spec.errors import CallOrderError
+    h = _one_group()
+    with pytest.raises(CallOrderError, match=r"^register_kv_caches: .*registered already"):
+        h.worker.register_kv_caches(h.kv)
+    h.worker.shutdown()
+    with pytest.raises(CallOrderError, match=r"register_kv_caches was not called"):
+        h.worker.get_finished(set())
+    with pytest.raises(ConfigError, match=r"^kv_caches\['t0'\]: is a list"):
+        h.worker.register_kv_caches({"t0": [1, 2]})
+    h.worker.register_kv_caches(h.kv)  # after shutdown, a fresh registration is fine
+
+
+def test_a_refused_after_alloc_records_no_allocated_ids() -> None:
+    """The ids of a refused call were kept as "allocated this step": the next step then
+    flushed (made every worker wait for) a store still reading them."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvcore.spec.errors import UnknownRequestError
+    h = _one_group()
+    ghost = h.new_request("ghost", list(range(17)))
+    h.sched.sched._requests.pop("ghost")  # as if vLLM never looked it up
+    blocks = KVCacheBlocks(([KVCacheBlock(1), KVCacheBlock(2)],))
+    with pytest.raises(UnknownRequestError, match=r"'ghost' was never looked up"):
+        h.sched.update_state_after_alloc(ghost.request, blocks, 0)
+    assert h.sched.sched._allocated == set()
+
+
+@pytest.mark.parametrize(("params", "hashes", "argument"), [
+    ({"max_offload_tokens": -1}, None, "max_offload_tokens"),
+    ({"max_offload_tokens": "64"}, None, "max_offload_tokens"),
+    ({"max_offload_tokens": True}, None, "max_offload_tokens"),
+    ([1], None, "kv_transfer_params"),
+    (None, [32, 32], r"block_hashes\[0\]"),  # bytes(32): all-zero hashes, keys collided
+    (None, ["ab"], r"block_hashes\[0\]"),
+])
+def test_a_bad_request_field_is_named_not_coerced(params: Any, hashes: Any,
+                                                  argument: str) -> None:
+    """A cap the client sent is refused by name, not dropped (the request ran uncapped);
+    a hash that is not bytes is refused, not converted."""
+    from kvcore.spec.errors import KVCoreError
+    h = _one_group()
+    live = h.new_request("A", list(range(17)))
+    h.sched.sched._requests.pop("A")
+    h.sched.sched.scheduler.request_finished("A")
+    live.request.kv_transfer_params = params
+    if hashes is not None:
+        live.request.block_hashes = hashes
+    live.request.request_id = "A2"
+    with pytest.raises(KVCoreError, match=argument):
+        h.sched.on_new_request(live.request)
+    assert "A2" not in h.sched.sched._requests
+
+
+def test_connector_misuse_is_a_kvcore_error() -> None:
+    """Each was a builtin error (an empty AssertionError from vLLM's metadata getter, an
+    AttributeError, a ValueError from dict("xy"))."""
+    from kvcore.integrations.vllm.connector import KvcoreConnector
+    from kvcore.integrations.vllm.scheduler_side import KvcoreConnectorStats
+    from kvcore.spec.errors import ArgumentTypeError, CallOrderError
+    h = _one_group()
+    with pytest.raises(CallOrderError, match=r"^start_load_kv: no step metadata is bound"):
+        h.worker.start_load_kv(None)
+    with pytest.raises(CallOrderError, match=r"worker-side hook .* scheduler-side"):
+        h.sched.get_finished(set())
+    with pytest.raises(CallOrderError, match=r"scheduler-side hook .* worker-side"):
+        h.worker.reset_cache()
+    with pytest.raises(ArgumentTypeError, match=r"^handle_preemptions: kv_connector_metadata="):
+        h.worker.handle_preemptions(object())
+    with pytest.raises(ArgumentTypeError, match=r"^KvcoreConnectorStats.aggregate: other="):
+        KvcoreConnectorStats(data={}).aggregate(None)
+    with pytest.raises(ArgumentTypeError, match=r"^build_kv_connector_stats: data="):
+        KvcoreConnector.build_kv_connector_stats("xy")  # type: ignore[arg-type]

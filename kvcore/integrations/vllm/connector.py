@@ -16,15 +16,21 @@ from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWor
 from kvcore.integrations.vllm.metrics import KvcorePromMetrics
 from kvcore.integrations.vllm.scheduler_side import KvcoreConnectorStats, SchedulerSide
 from kvcore.integrations.vllm.worker_side import WorkerSide
+from kvcore.spec.errors import ArgumentTypeError, CallOrderError
 
 # vLLM's layout whose per-layer view has the block id first and each block's bytes
 # contiguous: what kvcore's copy descriptors address.
 REQUIRED_LAYOUT = "LBHNC"
 
 
-def _meta(meta: Any) -> KvcoreConnectorMetadata:
+def _meta(where: str, meta: Any) -> KvcoreConnectorMetadata:
+    if meta is None:
+        raise CallOrderError(where, "no step metadata is bound; vLLM binds it "
+                             "(bind_connector_metadata) before the step's worker hooks")
     if not isinstance(meta, KvcoreConnectorMetadata):
-        raise TypeError(f"expected KvcoreConnectorMetadata, got {type(meta).__name__}")
+        raise ArgumentTypeError(where, "kv_connector_metadata", meta,
+                                "KvcoreConnectorMetadata", "every process must run "
+                                "KvcoreConnector")
     return meta
 
 
@@ -47,13 +53,19 @@ class KvcoreConnector(v.KVConnectorBase_V1, v.SupportsHMA):  # type: ignore[misc
 
     def _s(self) -> SchedulerSide:
         if self.sched is None:
-            raise RuntimeError("scheduler-side hook called on a worker-side connector")
+            raise CallOrderError("KvcoreConnector", "a scheduler-side hook was called on a "
+                                 "worker-side connector")
         return self.sched
 
     def _w(self) -> WorkerSide:
         if self.worker is None:
-            raise RuntimeError("worker-side hook called on a scheduler-side connector")
+            raise CallOrderError("KvcoreConnector", "a worker-side hook was called on a "
+                                 "scheduler-side connector")
         return self.worker
+
+    def _bound(self) -> Any:
+        """The bound step metadata, or None (vLLM's getter asserts, with no message)."""
+        return getattr(self, "_connector_metadata", None)
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -61,10 +73,10 @@ class KvcoreConnector(v.KVConnectorBase_V1, v.SupportsHMA):  # type: ignore[misc
         self._w().register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        self._w().handle_preemptions(_meta(kv_connector_metadata))
+        self._w().handle_preemptions(_meta("handle_preemptions", kv_connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._w().start_load_kv(_meta(self._get_connector_metadata()))
+        self._w().start_load_kv(_meta("start_load_kv", self._bound()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous (the request waits)
@@ -74,7 +86,7 @@ class KvcoreConnector(v.KVConnectorBase_V1, v.SupportsHMA):  # type: ignore[misc
         return None  # stores are submitted once, after the forward pass
 
     def wait_for_save(self) -> None:
-        self._w().wait_for_save(_meta(self._get_connector_metadata()))
+        self._w().wait_for_save(_meta("wait_for_save", self._bound()))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return self._w().get_finished()
@@ -140,6 +152,9 @@ class KvcoreConnector(v.KVConnectorBase_V1, v.SupportsHMA):  # type: ignore[misc
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
                                  ) -> KvcoreConnectorStats:
+        if data is not None and not isinstance(data, dict):
+            raise ArgumentTypeError("build_kv_connector_stats", "data", data, "dict or None",
+                                    "pass the stats' data dict as vLLM serialised it")
         return KvcoreConnectorStats(data=dict(data or {}))
 
     @classmethod

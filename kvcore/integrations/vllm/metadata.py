@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.integrations.vllm import _compat as v
+from kvcore.spec.errors import ArgumentTypeError
 from kvcore.spec.hooks import WorkerReport
 from kvcore.spec.plans import TransferPlan
 
@@ -41,6 +42,7 @@ class KvcoreWorkerMetadata(v.KVConnectorWorkerMetadata):  # type: ignore[misc]
 
     def aggregate(self, other: Any) -> KvcoreWorkerMetadata:
         if not isinstance(other, KvcoreWorkerMetadata):
-            raise TypeError(f"cannot aggregate KvcoreWorkerMetadata with "
-                            f"{type(other).__name__}; is another connector mixed in?")
+            raise ArgumentTypeError("KvcoreWorkerMetadata.aggregate", "other", other,
+                                    "KvcoreWorkerMetadata", "every rank must run "
+                                    "KvcoreConnector (is another connector mixed in?)")
         return KvcoreWorkerMetadata(self.reports + other.reports)

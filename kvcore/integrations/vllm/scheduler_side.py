@@ -19,7 +19,7 @@ from kvcore.integrations.vllm.config import ConnectorOptions
 from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWorkerMetadata
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import OffloadScheduler
-from kvcore.spec.errors import BadStepError
+from kvcore.spec.errors import ArgumentTypeError, BadStepError, UnknownRequestError
 from kvcore.spec.hooks import OutputResult, RequestInfo, ScheduledRequest, StepInput
 from kvcore.spec.types import PENDING, Key, key_hash
 
@@ -33,6 +33,10 @@ class KvcoreConnectorStats(v.KVConnectorStats):  # type: ignore[misc]
         self.data: dict[str, int] = {}
 
     def aggregate(self, other: Any) -> KvcoreConnectorStats:
+        if not isinstance(other, KvcoreConnectorStats):
+            raise ArgumentTypeError("KvcoreConnectorStats.aggregate", "other", other,
+                                    "KvcoreConnectorStats", "aggregate stats of "
+                                    "KvcoreConnector only")
         for name, value in other.data.items():
             self.data[name] = self.data.get(name, 0) + value
         return self
@@ -65,10 +69,17 @@ class SchedulerSide:
 
     def on_new_request(self, request: Any) -> None:
         rid = request.request_id
-        hashes = tuple(bytes(h) for h in request.block_hashes)
-        params = request.kv_transfer_params or {}
-        cap = params.get("max_offload_tokens")
-        cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
+        # vLLM's block hashes are bytes; they pass unconverted, so anything else is
+        # refused by name (bytes(8) would be eight zero bytes: every such request's keys
+        # would collide).
+        hashes = tuple(request.block_hashes)
+        params = request.kv_transfer_params
+        if params is not None and not isinstance(params, dict):
+            raise ArgumentTypeError("on_new_request", "kv_transfer_params", params,
+                                    "dict or None", "pass the request's parameters as a dict")
+        # A cap the client sent is checked like every other count (RequestInfo names it);
+        # an engine that serves untrusted clients validates it where it accepts requests.
+        cap = (params or {}).get("max_offload_tokens")
         self.scheduler.add_request(RequestInfo(rid, request.num_prompt_tokens, hashes, cap,
                                                bool(request.skip_reading_prefix_cache)))
         self._requests[rid] = request
@@ -79,7 +90,7 @@ class SchedulerSide:
         rid = request.request_id
         sent = self._hashes_sent[rid]
         if len(request.block_hashes) > sent:
-            self.scheduler.add_hashes(rid, [bytes(h) for h in request.block_hashes[sent:]])
+            self.scheduler.add_hashes(rid, list(request.block_hashes[sent:]))
             self._hashes_sent[rid] = len(request.block_hashes)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
@@ -97,16 +108,21 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
+        """Queue the load (if any) and remember the ids vLLM just allocated. The ids are
+        recorded only once the call is accepted: a refused call must not make the next
+        step flush the jobs reading them."""
+        rid = request.request_id
+        if rid not in self._requests:
+            raise UnknownRequestError(f"update_state_after_alloc: request {rid!r} was never "
+                                      "looked up (get_num_new_matched_tokens)")
         tables = [[int(b.block_id) for b in blocks.blocks[gid]]
                   for gid in self.options.group_ids]
-        for group in blocks.blocks:
-            self._allocated.update(int(b.block_id) for b in group if b.block_id)
-        if num_external_tokens == 0:
-            return
-        local = self._local_hit.get(request.request_id, 0)
-        valid = [local // g.tokens_per_block for g in self.options.config.groups]
-        self.scheduler.after_alloc(request.request_id, tables, valid, local,
-                                   num_external_tokens)
+        new = [int(b.block_id) for group in blocks.blocks for b in group if b.block_id]
+        if num_external_tokens != 0:
+            local = self._local_hit.get(rid, 0)
+            valid = [local // g.tokens_per_block for g in self.options.config.groups]
+            self.scheduler.after_alloc(rid, tables, valid, local, num_external_tokens)
+        self._allocated.update(new)
 
     # -- the step --------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import torch
 from kvcore.integrations.vllm import _compat as v
 from kvcore.integrations.vllm.config import ConnectorOptions
 from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWorkerMetadata
-from kvcore.spec.errors import ConfigError
+from kvcore.spec.errors import CallOrderError, ConfigError
 from kvcore.spec.hooks import WorkerReport
 from kvcore.spec.plans import JobKind, TransferPlan
 from kvcore.transfer import TransferEngine
@@ -52,8 +52,21 @@ class WorkerSide:
         self._reports: list[WorkerReport] = []
         self._failed_requests: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # The step metadata whose loads / stores were submitted last: vLLM calls each hook
+        # once per step, and a second call would submit every job again (one reference
+        # each, so nothing grows).
+        self._loads_of: KvcoreConnectorMetadata | None = None
+        self._stores_of: KvcoreConnectorMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.transfer is not None:
+            # A second engine would leave the first one's jobs unpolled: their reports
+            # never reach the scheduler and their requests' prefixes stay in flight.
+            raise CallOrderError("register_kv_caches", "the KV caches are registered "
+                                 "already; call shutdown() before registering new ones")
+        if not isinstance(kv_caches, dict):
+            raise ConfigError("kv_caches", f"is a {type(kv_caches).__name__}; pass vLLM's "
+                              "dict of layer name -> KV tensor")
         cfg = self.options.config
         per_group: list[list[torch.Tensor]] = []
         for names in self.options.layer_names:
@@ -63,6 +76,9 @@ class WorkerSide:
                 if name not in kv_caches:
                     raise ConfigError(f"kv_caches[{name!r}]", "a layer of an offloaded group "
                                       "has no KV tensor; register every layer")
+                if not isinstance(kv_caches[name], torch.Tensor):
+                    raise ConfigError(f"kv_caches[{name!r}]", f"is a "
+                                      f"{type(kv_caches[name]).__name__}, not a torch.Tensor")
                 for view in block_major_views(name, kv_caches[name], cfg.num_gpu_blocks):
                     ident = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
                     if ident not in seen:  # layers sharing one KV buffer copy it once
@@ -73,7 +89,8 @@ class WorkerSide:
 
     def _engine(self) -> TransferEngine:
         if self.transfer is None:
-            raise RuntimeError("register_kv_caches was not called before the first step")
+            raise CallOrderError("WorkerSide", "register_kv_caches was not called before "
+                                 "the first step (or shutdown() came before this one)")
         return self.transfer
 
     def handle_preemptions(self, meta: KvcoreConnectorMetadata) -> None:
@@ -81,14 +98,26 @@ class WorkerSide:
             self._engine().wait(meta.flush)
 
     def start_load_kv(self, meta: KvcoreConnectorMetadata) -> None:
-        for plan in meta.loads:
-            self._plans[plan.job_id] = plan
-            self._engine().submit(plan)
+        self._submit("start_load_kv", meta, meta.loads, self._loads_of)
+        self._loads_of = meta
 
     def wait_for_save(self, meta: KvcoreConnectorMetadata) -> None:
-        for plan in meta.stores:
+        self._submit("wait_for_save", meta, meta.stores, self._stores_of)
+        self._stores_of = meta
+
+    def _submit(self, where: str, meta: KvcoreConnectorMetadata,
+                plans: tuple[TransferPlan, ...], last: KvcoreConnectorMetadata | None) -> None:
+        """Submit one step's plans once. A repeat, for the same metadata or for a job this
+        rank still holds, is refused before any plan is submitted: run twice, a job is
+        reported twice and the scheduler refuses both reports."""
+        engine = self._engine()
+        again = [p.job_id for p in plans if p.job_id in self._plans]
+        if plans and (meta is last or again):
+            raise CallOrderError(where, f"this step's jobs {again or [p.job_id for p in plans]}"
+                                 " were submitted already; vLLM calls it once per step")
+        for plan in plans:
             self._plans[plan.job_id] = plan
-            self._engine().submit(plan)
+            engine.submit(plan)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         finished_recving: set[str] = set()
