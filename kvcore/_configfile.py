@@ -19,6 +19,8 @@ the preset's groups. Unknown keys are errors (a typo must not silently fall back
 
 from __future__ import annotations
 
+import os
+import stat
 import tomllib
 from dataclasses import fields, replace
 from pathlib import Path
@@ -94,7 +96,13 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> OffloadC
 
 def load_config(path: str | Path) -> OffloadConfig:
     """Read and validate a TOML layout file."""
+    if str(path) == "":
+        raise ConfigError("config", "the path is empty; name a TOML layout file (an unset "
+                          "variable in `--config $LAYOUT`?)")
     try:
+        # A FIFO or a device would block the read or never end: only a regular file.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ConfigError("config", f"{path} is not a regular file; name a TOML file")
         with Path(path).open("rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
@@ -103,10 +111,16 @@ def load_config(path: str | Path) -> OffloadConfig:
         raise ConfigError("config", f"{path} is over {MAX_CONFIG_BYTES} bytes; a layout file "
                           "is a few hundred (is this the right file?)")
     try:
-        raw = tomllib.loads(data.decode("utf-8"))
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not TOML's business.
+        raw = tomllib.loads(data.decode("utf-8-sig"))
     except UnicodeDecodeError:
         raise ConfigError("config", f"{path} is not UTF-8 text; a layout is a TOML file") \
             from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        # An integer of thousands of digits (Python's int-to-str limit) or arrays nested
+        # thousands deep: valid TOML to the grammar, no layout.
+        raise ConfigError("config", f"{path} is not a layout: {type(exc).__name__}: "
+                          f"{str(exc)[:200]}") from None
     return config_from_mapping(raw, str(path))

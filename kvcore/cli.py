@@ -28,6 +28,15 @@ from kvcore.spec.types import MAX_CONTEXT_TOKENS, OffloadConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_LIVENESS, EXIT_CRASH = 0, 1, 2, 3, 4
 EXIT_INCONCLUSIVE = 5
+# What --help says of them: a CI job branches on the code, so it must not need the source.
+EXIT_CODES_HELP = """exit codes:
+  0  clean
+  1  a correctness failure: an invariant, byte integrity, a failed proof, a surviving mutant
+  2  bad usage or config (reported in one line; nothing, or nothing more, was run)
+  3  liveness: a run did not settle
+  4  a crash inside kvcore (the traceback goes to a file whose path is printed)
+  5  inconclusive: a proof ran out of budget without a counterexample, or a check that
+     never ran (an invariant no stage evaluated); nothing else failed"""
 KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "coverage": EXIT_INCONCLUSIVE,
              "liveness": EXIT_LIVENESS, "crash": EXIT_CRASH}
 
@@ -83,14 +92,20 @@ def _require_writable(option: str, path: str | None) -> None:
     """
     if path is None:
         return
+    if path == "":
+        raise ConfigError(option, f"{option} is an empty path; name a file")
     target = Path(path)
-    if target.is_dir():
-        raise ConfigError(option, f"{option} {path} is a directory; name a file")
-    existed = target.exists()
     try:
+        if target.is_dir():
+            raise ConfigError(option, f"{option} {path} is a directory; name a file")
+        existed = target.exists()
+        # A FIFO would block the open, /dev/full accept it and fail the final write:
+        # only a regular file (or a new one) takes the report.
+        if existed and not target.is_file():
+            raise ConfigError(option, f"{option} {path} is not a regular file; name a file")
         with target.open("a"):
             pass
-    except OSError as exc:
+    except OSError as exc:  # a name too long, a path through a file, permissions
         raise ConfigError(option, f"cannot write {option} {path}: {exc.strerror}; name a "
                           "file in a writable directory") from None
     if not existed:
@@ -108,7 +123,7 @@ def _require_device(device: str) -> None:
 def _layout(args: argparse.Namespace) -> tuple[str, OffloadConfig]:
     from kvcore._configfile import load_config
     from kvcore.presets import DEFAULT_PRESET, preset
-    if getattr(args, "config", None):
+    if getattr(args, "config", None) is not None:  # "" is an error, not "no file"
         return Path(args.config).stem, load_config(args.config)
     name = args.preset or DEFAULT_PRESET
     return name, preset(name)
@@ -234,8 +249,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _database(spec: str | None) -> Any:
     """The example database ``--db`` names, reached once now so a bad one runs nothing."""
     from hypothesis.database import DirectoryBasedExampleDatabase
-    if spec is not None and spec.startswith("redis://"):
+    if spec == "":
+        raise ConfigError("--db", "--db is empty; name a directory or redis://HOST:PORT/N "
+                          "(or leave --db out for .kvcore-fuzz-db)")
+    if spec is not None and spec.startswith(("redis://", "rediss://", "unix://")):
         return _redis_database(spec)
+    if spec is not None and "://" in spec:  # a typo must not become a local folder
+        raise ConfigError("--db", f"--db {spec}: not a Redis URL (redis://, rediss:// or "
+                          "unix://) and not a directory name")
     folder = Path(spec or ".kvcore-fuzz-db")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -294,6 +315,12 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             code = _report_failure(result.failure)
             print(_saved_note(db))
             return code
+    if not sum(result.checked.values()):
+        # Rounds too short to reach a check (--steps 3) would pass without checking
+        # anything: as kvcore check does for an invariant no stage evaluated.
+        print(f"inconclusive: {rounds} rounds evaluated no invariant; raise --steps or "
+              "--examples")
+        return EXIT_INCONCLUSIVE
     print("ok: no counterexample found")
     return EXIT_OK
 
@@ -350,7 +377,9 @@ def _layout_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _check_parser(sub: Any) -> None:
-    c = sub.add_parser("check", help="contract checks for engine CI")
+    c = sub.add_parser("check", help="contract checks for engine CI",
+                       epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _layout_args(c)
     c.add_argument("--json", help="write the results as JSON to this file")
     c.add_argument("--mutants", action="store_true", help="also run the bug zoo")
@@ -365,7 +394,9 @@ def _check_parser(sub: Any) -> None:
 
 
 def _fuzz_parser(sub: Any) -> None:
-    f = sub.add_parser("fuzz", help="long stateful fuzzing, sharing counterexamples")
+    f = sub.add_parser("fuzz", help="long stateful fuzzing, sharing counterexamples",
+                       epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _layout_args(f)
     f.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     f.add_argument("--duration", type=_duration, default="30m",
@@ -379,7 +410,9 @@ def _fuzz_parser(sub: Any) -> None:
 
 
 def _simulate_parser(sub: Any) -> None:
-    s = sub.add_parser("simulate", help="run a workload end to end and report")
+    s = sub.add_parser("simulate", help="run a workload end to end and report",
+                       epilog=EXIT_CODES_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _layout_args(s)
     tokens = MAX_SIM_TOKENS
     s.add_argument("--requests", type=_count("requests", 1, MAX_REQUESTS), default=8,
@@ -409,7 +442,8 @@ def _simulate_parser(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="kvcore", description=(__doc__ or "").split("\n")[0])
+    p = _Parser(prog="kvcore", description=(__doc__ or "").split("\n")[0],
+                epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"kvcore {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     _check_parser(sub)

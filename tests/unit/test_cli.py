@@ -14,6 +14,7 @@ or the simulator with a stub that fails in the way under test.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -170,6 +171,26 @@ USAGE_ROWS: list[tuple[str, list[str], int, str]] = [
      EXIT_USAGE, "Redis is unreachable"),
     ("--db is a file", ["fuzz", "--duration", "5s", "--db", "{tmp}/bad.toml"], EXIT_USAGE,
      "--db"),
+    # A second hostile-input review: each hung, crashed (exit 4) or silently fell back.
+    ("--config empty (fell back to the default preset)", ["simulate", "--config", ""],
+     EXIT_USAGE, "the path is empty"),
+    ("--config a FIFO (hung)", ["check", "--config", "{tmp}/fifo.toml"], EXIT_USAGE,
+     "not a regular file"),
+    ("--json a FIFO (hung)", ["simulate", "--json", "{tmp}/fifo.toml"], EXIT_USAGE,
+     "not a regular file"),
+    ("--json /dev/full (failed after the run)", ["simulate", "--json", "/dev/full"],
+     EXIT_USAGE, "not a regular file"),
+    ("--json name too long (crashed)", ["simulate", "--json", "{tmp}/" + "a" * 300],
+     EXIT_USAGE, "cannot write"),
+    ("config int of 5000 digits (crashed)", ["simulate", "--config", "{tmp}/bigint.toml"],
+     EXIT_USAGE, "not a layout"),
+    ("config arrays 5000 deep (crashed)", ["simulate", "--config", "{tmp}/deep.toml"],
+     EXIT_USAGE, "not a layout"),
+    ("--db empty (fell back)", ["fuzz", "--duration", "5s", "--db", ""], EXIT_USAGE,
+     "--db is empty"),
+    ("--db not a Redis URL (became a folder)", ["fuzz", "--duration", "5s", "--db",
+                                                 "htp://host/0"], EXIT_USAGE,
+     "not a Redis URL"),
 ]
 
 
@@ -180,6 +201,9 @@ def test_usage_and_config_errors_exit_2_with_one_line_and_nothing_run(
     (tmp_path / "bad.toml").write_text('preset = "gemma3"\nspeculative = true\n[[groups]]\n'
                                        'kind = "full"\ntokens_per_block = 16\nis_draft = "no"\n')
     (tmp_path / "huge.toml").write_text(HUGE_WINDOW)
+    (tmp_path / "bigint.toml").write_text("num_gpu_blocks = " + "9" * 5000 + "\n")
+    (tmp_path / "deep.toml").write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    os.mkfifo(tmp_path / "fifo.toml")
     argv = [a.format(tmp=tmp_path, port=_closed_port()) for a in args]
     # A hang (the 10**12 window once never returned) fails here instead of stalling.
     done = subprocess.run([sys.executable, "-m", "kvcore.cli", *argv], capture_output=True,
@@ -350,3 +374,26 @@ def test_no_saved_claim_when_the_database_went_away() -> None:
     gone, up = type("Db", (), {"redis": Gone()})(), type("Db", (), {"redis": Up()})()
     assert "not saved" in _saved_note(gone) and "saved to" not in _saved_note(gone)
     assert "saved to the example database" in _saved_note(up)
+
+
+def test_a_layout_file_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    """Windows editors write one; tomllib read it as an invalid statement at 1:1."""
+    path = tmp_path / "bom.toml"
+    path.write_text('preset = "gemma3"\nnum_gpu_blocks = 4096\n', encoding="utf-8-sig")
+    assert load_config(path).num_gpu_blocks == 4096
+
+
+def test_fuzz_that_checks_nothing_is_inconclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    """Rounds too short to reach any check passed as "ok: no counterexample found"."""
+    from kvcore.cli import EXIT_INCONCLUSIVE
+    assert main(["fuzz", "--duration", "2s", "--steps", "1", "--examples", "1", "--db",
+                 str(Path(tempfile.mkdtemp()) / "db")]) == EXIT_INCONCLUSIVE
+    assert "evaluated no invariant" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [[], ["check"], ["fuzz"], ["simulate"]])
+def test_help_lists_the_exit_codes(command: list[str],
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*command, "--help"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "5  inconclusive" in out and "3  liveness" in out
