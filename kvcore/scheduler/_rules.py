@@ -194,12 +194,12 @@ def _keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None
     reads are worth storing: the chunks ``needed_chunks`` names at ``kA - 1``, ``kA`` and
     (with Mamba groups) ``kA - 1`` rounded down to a Mamba chunk end, for a segment far
     enough from 0 that nothing is clipped; they repeat every segment. None (keep every
-    chunk) when alignment is off, when MAMBA state exists only at ends that are not
-    segment ends, or when the kept offsets fill the segment.
+    chunk) when MAMBA state exists only at ends that are not segment ends, or when the
+    kept offsets fill the segment. Only ``keep_rule`` calls it, for a SLIDING group with
+    alignment on (that test is made once, there: a second copy here made the first one
+    untestable).
     """
     g = cfg.groups[group]
-    if not cfg.store_alignment or g.kind is not GroupKind.SLIDING:
-        return None
     full_sizes = {x.tokens_per_chunk for x in cfg.groups if x.kind is GroupKind.FULL}
     if len(full_sizes) != 1:
         return None

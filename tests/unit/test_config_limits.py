@@ -39,7 +39,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
-from kvcore.scheduler._rules import _keep_rule as kvcore_keep_rule_uncached
+from kvcore.scheduler import _rules
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.lookup import needed_chunks
 from kvcore.spec.types import (
@@ -59,6 +59,12 @@ from kvcore.spec.types import (
     StoreLevel,
     cdiv,
 )
+
+
+def kvcore_keep_rule_uncached(cfg: OffloadConfig, group: int) -> Any:
+    """kvcore's keep rule (``_rules.keep_rule``) computed afresh, not from its cache."""
+    _rules._KEEP_CACHE.clear()
+    return _rules.keep_rule(cfg, group)
 
 
 def _alignment(cfg: OffloadConfig, group: int) -> int | None:
