@@ -477,8 +477,8 @@ def _read_back(bench: _Bench) -> None:
             ((g, tensors, 0), "tensor", f"0..{tensors - 1}"),
             ((g, True, 0), "tensor", f"0..{tensors - 1}"),
             # A value is named whole up to a 60-character repr, cut to 56 + "...>" past it.
-            ((g, 0, "x" * 58), "slot", "'" + "x" * 58 + "' is outside"),
-            ((g, 0, "x" * 59), "slot", "'" + "x" * 55 + "...> is outside")]
+            ((g, 0, "x" * 58), "slot", "'" + "x" * 58 + "' is a str"),
+            ((g, 0, "x" * 59), "slot", "'" + "x" * 55 + "...> is a str")]
         for args, names, says in bad_calls:
             raised: BaseException | None = None
             try:

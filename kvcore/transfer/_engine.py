@@ -23,7 +23,7 @@ import torch
 
 from kvcore import _cuda, _native
 from kvcore._native import RegionTable, Status
-from kvcore.spec.errors import KVCopyError, TransferArgumentError
+from kvcore.spec.errors import CallOrderError, KVCopyError, TransferArgumentError
 from kvcore.spec.plans import GroupTransfer, TransferPlan
 from kvcore.spec.types import OffloadConfig
 
@@ -224,13 +224,16 @@ class TransferEngine:
 
         A plan that fails validation finishes as a failed result with zero bytes moved; so
         does one whose pools were freed or resized (checked here and again before the copy).
-        TransferArgumentError for something that is not a well-typed TransferPlan or a job
-        id already in flight; RuntimeError after close().
+        TransferArgumentError for something that is not a TransferPlan with a well-typed
+        job id, kind and groups container, or for a job id already in flight; a group
+        whose id lists are not lists of ints fails its job like a bad id (``validate``
+        raises that TransferArgumentError). CallOrderError (a RuntimeError) after close().
         """
         plan = check_plan(plan)
         with self._cond:
             if self._closed:
-                raise RuntimeError("TransferEngine is closed")
+                raise CallOrderError("TransferEngine.submit", "the engine is closed; build a "
+                                     "new one")
             if plan.job_id in self._pending:
                 raise TransferArgumentError("plan.job_id", f"job {plan.job_id} is already in "
                                             "flight; job ids must be unique among unfinished "
@@ -433,7 +436,10 @@ class TransferEngine:
     def read_cpu_chunk(self, group: int, tensor: int, slot: int) -> bytes:
         """A copy of one CPU chunk's bytes (for tests and the integrity simulator)."""
         cpu = self._registered(group, tensor).cpu
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < cpu.shape[0]:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise _bad("slot", f"{short_repr(slot)} is a {type(slot).__name__}, not an int "
+                               f"slot in 0..{cpu.shape[0] - 1}")
+        if not 0 <= slot < cpu.shape[0]:
             raise _bad("slot", f"{short_repr(slot)} is outside 0..{cpu.shape[0] - 1}")
         return bytes(cpu[slot].tolist())
 

@@ -92,9 +92,9 @@ def _row_layout(t: object, where: str) -> tuple[int, int]:
     """
     if not isinstance(t, torch.Tensor):
         raise _bad(where, f"must be a torch.Tensor, not {type(t).__name__}")
-    if t.layout != torch.strided or t.dim() < 1:
+    if t.layout != torch.strided or t.is_nested or t.dim() < 1:
         raise _bad(where, f"must be a strided tensor with a block dimension first (layout "
-                          f"{t.layout}, {t.dim()} dims)")
+                          f"{t.layout}{', nested' if t.is_nested else ''}, {t.dim()} dims)")
     if t.is_conj() or t.is_neg():
         raise _bad(where, "has a lazy conj/neg bit; pass t.resolve_conj().resolve_neg()")
     if any(s < 0 for s in t.stride()):

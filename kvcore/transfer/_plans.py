@@ -178,6 +178,9 @@ def check_plan(plan: object) -> TransferPlan:
     """The plan's own types (TransferArgumentError): what submit() refuses to queue."""
     if not isinstance(plan, TransferPlan):
         raise _bad("plan", f"must be a TransferPlan, not {type(plan).__name__}")
+    missing = [f for f in ("job_id", "kind", "groups") if not hasattr(plan, f)]
+    if missing:  # made without its constructor (object.__new__, a bad unpickle)
+        raise _bad("plan", f"has no {', '.join(missing)}; build it with TransferPlan(...)")
     job = plan.job_id
     if isinstance(job, bool) or not isinstance(job, int) or not 0 <= job <= MAX_JOB_ID:
         raise _bad("plan.job_id", f"{short_repr(job)} must be an int in 0..{MAX_JOB_ID}")

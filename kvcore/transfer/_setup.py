@@ -14,6 +14,7 @@ from kvcore import _cuda, _native
 from kvcore._cuda import cuda_available, cuda_unavailable_reason
 from kvcore._native import Region
 from kvcore.manager._capacity import group_capacity
+from kvcore.spec.errors import ConfigError
 from kvcore.spec.types import OffloadConfig
 
 from ._memory import _bad, _check_buffer, _check_disjoint, _Pool, _pool_of, _Registered
@@ -116,6 +117,23 @@ def _chunk_bytes(cfg: OffloadConfig, pools: list[list[_Pool]], g: int) -> list[i
     return [bpc * p.row_bytes for p in pools[g]]
 
 
+def _allocate_tier(nbytes: int, group: int, chunks: int, pin: bool) -> torch.Tensor:
+    """Group ``group``'s CPU tier, or a ConfigError naming what was asked: torch's own
+    error says neither the field nor that a tier of this many chunks was the request
+    (a config may allow 2**28 chunks that no host can hold), and pinning needs a GPU."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    except RuntimeError as exc:
+        if pin and not torch.cuda.is_available():
+            raise ConfigError("pin_memory", "page-locked memory needs a CUDA device, and "
+                              "torch sees none; pass pin_memory=False (or None: auto)") \
+                from None
+        raise ConfigError("num_cpu_blocks", f"group {group}'s CPU tier of {chunks} chunks "
+                          f"({nbytes} bytes{', pinned' if pin else ''}) could not be "
+                          f"allocated ({str(exc).splitlines()[0][:120]}); lower "
+                          "num_cpu_blocks (vLLM: cpu_bytes)") from None
+
+
 def cpu_buffers(cfg: OffloadConfig, pools: list[list[_Pool]], capacities: Sequence[int],
                 cpu_buffer: object, pin: bool) -> list[torch.Tensor]:
     """One flat uint8 buffer per group: carved from the engine's, or allocated here.
@@ -125,7 +143,7 @@ def cpu_buffers(cfg: OffloadConfig, pools: list[list[_Pool]], capacities: Sequen
     """
     needs = [capacities[g] * sum(_chunk_bytes(cfg, pools, g)) for g in range(len(pools))]
     if cpu_buffer is None:
-        return [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in needs]
+        return [_allocate_tier(n, g, capacities[g], pin) for g, n in enumerate(needs)]
     if isinstance(cpu_buffer, torch.Tensor):
         flat = _check_buffer(cpu_buffer, "cpu_buffer", sum(needs), pin)
         starts = [sum(needs[:g]) for g in range(len(needs))]

@@ -533,3 +533,49 @@ def test_a_worker_that_dies_fails_its_pending_jobs_instead_of_hanging_waiters() 
     assert not result.success and result.error == "transfer worker stopped"
     assert result.bytes == 0
     engine.close()
+
+
+def test_a_tier_that_cannot_be_allocated_is_a_config_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's allocator error named neither the field nor the size asked; a config may
+    allow 2**28 chunks that no host holds (the allocator is made to fail here, since
+    whether 4 TiB of virtual memory is refused depends on the host's overcommit)."""
+    from kvcore.spec.errors import ConfigError
+    from kvcore.transfer import _setup
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    pools = [[torch.zeros(NUM_GPU_BLOCKS, 16)]]  # before the allocator fails (one torch)
+    monkeypatch.setattr(_setup.torch, "empty", refuse)
+    with pytest.raises(ConfigError, match=r"^num_cpu_blocks: group 0's CPU tier of \d+ chunks"):
+        TransferEngine(make_config((1,)), pools)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning works where CUDA is")
+def test_pinning_without_cuda_is_a_config_error() -> None:
+    from kvcore.spec.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"^pin_memory: page-locked memory needs a CUDA"):
+        TransferEngine(make_config((1,)), [[torch.zeros(NUM_GPU_BLOCKS, 16)]], pin_memory=True)
+
+
+def test_a_nested_tensor_is_refused_by_name() -> None:
+    nested = torch.nested.nested_tensor([torch.zeros(16)] * NUM_GPU_BLOCKS)
+    with pytest.raises(TransferArgumentError, match=r"^gpu_tensors\[0\]\[0\]: .*nested"):
+        TransferEngine(make_config((1,)), [[nested]])
+
+
+def test_a_plan_built_without_its_constructor_and_a_closed_engine_are_named() -> None:
+    """Each was a bare builtin: AttributeError on ``plan.job_id``, RuntimeError after
+    close (now CallOrderError, still a RuntimeError); a float slot read as out of range."""
+    from kvcore.spec.errors import CallOrderError
+    engine, _ = make_engine((1,), layers=1)
+    hollow = object.__new__(TransferPlan)
+    for call in (engine.validate, engine.submit):
+        with pytest.raises(TransferArgumentError, match=r"^plan: has no job_id, kind, groups"):
+            call(hollow)
+    with pytest.raises(TransferArgumentError, match=r"^slot: 1.0 is a float, not an int"):
+        engine.read_cpu_chunk(0, 0, 1.0)  # type: ignore[arg-type]
+    engine.close()
+    with pytest.raises(CallOrderError, match=r"^TransferEngine.submit: the engine is closed"):
+        engine.submit(TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((1,), 0, (0,)),)))

@@ -38,8 +38,8 @@ from kvcore.scheduler import (
     ScheduledRequest,
     StepInput,
     WorkerReport,
+    _rules,
 )
-from kvcore.scheduler import _rules
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.lookup import needed_chunks
 from kvcore.spec.types import (

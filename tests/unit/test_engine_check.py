@@ -187,7 +187,7 @@ def test_a_repr_cut_one_character_late_is_caught(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_plans, "short_repr", lambda v: repr(v) if len(repr(v)) <= 61
                         else repr(v)[:56] + "...>")
     monkeypatch.setattr(_engine, "short_repr", _plans.short_repr)
-    assert "...> is outside" in caught("A1")
+    assert "...> is a str" in caught("A1")
 
 
 def test_a_misaligned_buffer_error_carries_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
