@@ -197,6 +197,9 @@ def test_config_window_and_mamba_groups() -> None:
     ({"cpu_bytes": 1 << 20}, "mtp", "draft_groups"),
     ({"cpu_bytes": 1 << 20, "draft_groups": [0]}, None, "draft_groups"),
     ({"cpu_bytes": 1 << 20, "draft_groups": [3]}, "mtp", "draft_groups"),
+    # Both blamed a field the user never set (num_cpu_blocks; cpu_bytes for a huge chunk).
+    ({"cpu_bytes": 1 << 60}, None, "kv_connector_extra_config.cpu_bytes"),
+    ({"cpu_bytes": 16384, "blocks_per_chunk": 10**6}, None, "blocks_per_chunk"),
 ])
 def test_config_errors_say_what_to_set(extra: dict[str, Any], spec: str | None,
                                        field: str) -> None:

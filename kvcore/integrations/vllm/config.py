@@ -20,7 +20,13 @@ from typing import Any
 
 from kvcore.integrations.vllm import _compat as v
 from kvcore.spec.errors import ConfigError
-from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
+from kvcore.spec.types import (
+    MAX_BLOCKS_PER_CHUNK,
+    MAX_CPU_BLOCKS,
+    GroupKind,
+    GroupSpec,
+    OffloadConfig,
+)
 
 POLICIES = ("lru", "arc")
 KNOWN_KEYS = frozenset({"cpu_bytes", "eviction_policy", "check", "blocks_per_chunk",
@@ -153,6 +159,10 @@ def translate(vllm_config: Any, kv_cache_config: Any) -> ConnectorOptions:
         raise ConfigError("kv_cache_groups", "no prefix-cacheable KV-cache group to offload; "
                           "enable prefix caching (--enable-prefix-caching)")
     bpc = _positive_int(extra, "blocks_per_chunk", 1)
+    if bpc > MAX_BLOCKS_PER_CHUNK:  # named here: the byte check below would blame cpu_bytes
+        raise ConfigError("kv_connector_extra_config.blocks_per_chunk",
+                          f"blocks_per_chunk={bpc} exceeds {MAX_BLOCKS_PER_CHUNK}; a chunk is "
+                          "1..64 GPU blocks in practice")
     dcp = vllm_config.parallel_config.decode_context_parallel_size
     _, hash_tokens = v.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     speculative, drafts, elsewhere = _draft_groups(vllm_config, kv_cache_config, offloaded,
@@ -172,6 +182,11 @@ def translate(vllm_config: Any, kv_cache_config: Any) -> ConnectorOptions:
         raise ConfigError("kv_connector_extra_config.cpu_bytes",
                           f"cpu_bytes={cpu_bytes} holds no chunk: one chunk of every group "
                           f"takes {sum(chunk_bytes)} bytes on this rank; set at least that")
+    if num_cpu_blocks > MAX_CPU_BLOCKS:  # the config would blame num_cpu_blocks, unset here
+        raise ConfigError("kv_connector_extra_config.cpu_bytes",
+                          f"cpu_bytes={cpu_bytes} makes {num_cpu_blocks} chunk slots per group, "
+                          f"over the limit of {MAX_CPU_BLOCKS}; is it a byte count of this "
+                          "rank's budget (not the whole host's, not bits)?")
     config = OffloadConfig(tuple(groups), hash_block_tokens=int(hash_tokens),
                            num_gpu_blocks=int(kv_cache_config.num_blocks),
                            num_cpu_blocks=num_cpu_blocks,
