@@ -296,7 +296,9 @@ def _check_int(name: str, value: object, lo: int, hi: int, hint: str, why: str) 
 
     ``why`` is the limit's reason, quoted in the message so the user can judge the bound.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    # Exactly int: a bool is no count, and an int subclass may compare as it likes (one
+    # whose ``>`` always answers False passed num_gpu_blocks=10**15 through the bound).
+    if type(value) is not int:
         raise ConfigError(name, f"{name}={_show(value)} ({type(value).__name__}) is not an "
                           f"int; {hint}")
     if value < lo:

@@ -366,3 +366,17 @@ def test_group_keys_cover_complete_chunks_only_and_differ_by_group(
             assert key == make_key(chain[(c + 1) * hpc - 1], i)
             triples.append((i, chain[(c + 1) * hpc - 1], key))
     assert k1_keys_distinct(KeyRecord(tuple(triples))) == []
+
+
+class _Sneaky(int):
+    """An int whose ``>`` always says no: a bound check by comparison cannot see it."""
+
+    def __gt__(self, other: object) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("field", ["num_gpu_blocks", "num_cpu_blocks", "hash_block_tokens"])
+def test_an_int_subclass_is_not_a_count(field: str) -> None:
+    """``isinstance(value, int)`` let _Sneaky(10**15) through the 2**24 bound."""
+    with pytest.raises(ConfigError, match=rf"^{field}: .*\(_Sneaky\) is not an int"):
+        build(**{field: _Sneaky(10**15)})
