@@ -13,6 +13,7 @@ block holds bytes that are a function of its prefix hash, so a wrong load is cau
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,9 @@ class Harness:
     last_meta: Any = None
     loads_verified: int = 0
     blocks_verified: int = 0
+    # Called with the step's metadata once the worker's jobs are submitted and drained,
+    # before their results are read: a test makes its misuse of a worker hook there.
+    after_drain: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         self.sched = KvcoreConnector(self.config, KVConnectorRole.SCHEDULER, self.kv_config)
@@ -210,6 +214,8 @@ class Harness:
         w.wait_for_save()
         assert w.worker is not None
         w.worker.drain(timeout=60)
+        if self.after_drain is not None:
+            self.after_drain(meta)
         results = w.get_transfer_results(set())
         output = KVConnectorOutput(finished_recving=results.finished_recving,
                                    failed_recving=results.failed_recving,
