@@ -37,6 +37,9 @@ EXIT_CODES_HELP = """exit codes:
   4  a crash inside kvcore (the traceback goes to a file whose path is printed)
   5  inconclusive: a proof ran out of budget without a counterexample, or a check that
      never ran (an invariant no stage evaluated); nothing else failed"""
+# Every parser's --help ends with the exit codes, laid out as written.
+_HELP: dict[str, Any] = {"epilog": EXIT_CODES_HELP,
+                         "formatter_class": argparse.RawDescriptionHelpFormatter}
 KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "coverage": EXIT_INCONCLUSIVE,
              "liveness": EXIT_LIVENESS, "crash": EXIT_CRASH}
 
@@ -377,9 +380,7 @@ def _layout_args(sp: argparse.ArgumentParser) -> None:
 
 
 def _check_parser(sub: Any) -> None:
-    c = sub.add_parser("check", help="contract checks for engine CI",
-                       epilog=EXIT_CODES_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = sub.add_parser("check", help="contract checks for engine CI", **_HELP)
     _layout_args(c)
     c.add_argument("--json", help="write the results as JSON to this file")
     c.add_argument("--mutants", action="store_true", help="also run the bug zoo")
@@ -394,9 +395,7 @@ def _check_parser(sub: Any) -> None:
 
 
 def _fuzz_parser(sub: Any) -> None:
-    f = sub.add_parser("fuzz", help="long stateful fuzzing, sharing counterexamples",
-                       epilog=EXIT_CODES_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    f = sub.add_parser("fuzz", help="long stateful fuzzing, sharing counterexamples", **_HELP)
     _layout_args(f)
     f.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     f.add_argument("--duration", type=_duration, default="30m",
@@ -410,9 +409,7 @@ def _fuzz_parser(sub: Any) -> None:
 
 
 def _simulate_parser(sub: Any) -> None:
-    s = sub.add_parser("simulate", help="run a workload end to end and report",
-                       epilog=EXIT_CODES_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = sub.add_parser("simulate", help="run a workload end to end and report", **_HELP)
     _layout_args(s)
     tokens = MAX_SIM_TOKENS
     s.add_argument("--requests", type=_count("requests", 1, MAX_REQUESTS), default=8,
@@ -443,7 +440,7 @@ def _simulate_parser(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvcore", description=(__doc__ or "").split("\n")[0],
-                epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                **_HELP)
     p.add_argument("--version", action="version", version=f"kvcore {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
     _check_parser(sub)
