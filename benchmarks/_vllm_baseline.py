@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import types
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -143,7 +144,7 @@ class VLive:
     seed: int
     tokens: int
     req: Any = None
-    tables: list[list[int]] = field(default_factory=list)
+    tables: list[array[int]] = field(default_factory=list)
     freed: list[int] = field(default_factory=lambda: [0] * 8)
 
 
@@ -228,7 +229,7 @@ class VllmEngine:
         self.conn.on_new_request(req)
         hit, _ = self.conn.get_num_new_matched_tokens(req, 0)
         hit = hit or 0
-        live.tables = [[] for _ in self.pool.cfg.groups]
+        live.tables = [array("i") for _ in self.pool.cfg.groups]
         self.pool.grow(live, live.tokens, free_window=False)
         if hit:
             self.pool.null_before(live, hit)

@@ -21,9 +21,13 @@ stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of
 128K prompt whose prefix is in the tier: keys derived inside the timed span) and the warm
 one (a second lookup of the same request), with the hit it answered. The workers report
 every job before the probes, so the probe's prefix is READY: a probe while its stores are
-in flight answers PENDING, a deferral, which is not the cost of a lookup. Memory: RSS
-growth over the set-up divided by the hash blocks tracked; only the first configuration's
-figure (the SUMMARY's) is clean.
+in flight answers PENDING, a deferral, which is not the cost of a lookup. Memory: ``RSS MB``
+is the process's RSS growth over the set-up (everything: the engine's block tables too);
+``B/hash`` is kvcore's part of it, the growth less the engine's block tables (4-byte
+arrays, so their size is exact), per hash block tracked; it includes the hashes kvcore
+keeps (in the benchmark no one else holds them; an engine that keeps its own, as vLLM's
+``Request.block_hashes`` does, shares the objects). Only the first configuration's
+figures (the SUMMARY's) are clean.
 
 vLLM: when ``vllm`` is importable (``--no-vllm`` skips it), the same workload also runs
 through vLLM's own ``OffloadingConnectorScheduler`` (``benchmarks/_vllm_baseline.py``), in
@@ -57,6 +61,7 @@ import platform
 import pstats
 import statistics
 import time
+from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -113,7 +118,9 @@ class Live:
     rid: str
     seed: int
     tokens: int  # accepted tokens; all but the last are computed
-    tables: list[list[int]] = field(default_factory=list)
+    # 4-byte int arrays, as an engine's block tables are (vLLM's are int32), so the memory
+    # figure is not the benchmark's own Python ints: their bytes are exact and subtracted.
+    tables: list[array[int]] = field(default_factory=list)
     hashed: int = 0  # hash blocks handed to the scheduler so far
     freed: list[int] = field(default_factory=lambda: [0] * 8)  # window blocks freed
 
@@ -182,17 +189,17 @@ class Pool:
         for group, g in enumerate(self.cfg.groups):
             n = cdiv(upto, g.tokens_per_block)
             if g.kind is GroupKind.FULL or g.window_tokens is None:
-                live.tables[group] = self.take(n)
+                live.tables[group] = array("i", self.take(n))
             else:
                 keep = min(n, cdiv(g.window_tokens, g.tokens_per_block) + 2)
-                live.tables[group] = [0] * (n - keep) + self.take(keep)
+                live.tables[group] = array("i", [0] * (n - keep) + self.take(keep))
                 live.freed[group] = n - keep
         return tuple(tuple(t) for t in live.tables)
 
     def release(self, live: Any) -> None:
         for table in live.tables:
             self.free.extend(i for i in table if i)
-        live.tables = [[] for _ in self.cfg.groups]
+        live.tables = [array("i") for _ in self.cfg.groups]
         live.freed = [0] * 8
 
 
@@ -219,7 +226,13 @@ class Engine:
             self.sched.worker_output(self.pending)
             self.pending = []
         self.hash_blocks = sum(live.hashed for live in self.live.values())
-        self.bytes_per_hash = (rss_bytes() - rss0) / max(self.hash_blocks, 1)
+        grown = rss_bytes() - rss0
+        # The engine's own state is its block tables (exact: 4 bytes an id); the rest of
+        # the growth is kvcore's, the hashes it keeps included.
+        self.engine_bytes = sum(len(t) * t.itemsize for live in self.live.values()
+                                for t in live.tables)
+        self.bytes_per_hash = (grown - self.engine_bytes) / max(self.hash_blocks, 1)
+        self.rss_growth = grown
 
     # -- requests -------------------------------------------------------------------------
 
@@ -237,7 +250,7 @@ class Engine:
         sched.add_request(RequestInfo(live.rid, live.tokens, self.new_hashes(live)))
         hit = sched.lookup(live.rid, 0, live.tokens)
         hit = hit if isinstance(hit, int) else 0
-        live.tables = [[] for _ in self.cfg.groups]
+        live.tables = [array("i") for _ in self.cfg.groups]
         blocks = self.pool.grow(live, live.tokens, free_window=False)
         if hit:
             blocks = self.pool.null_before(live, hit)
@@ -400,7 +413,7 @@ def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str,
     out |= {"layout": LAYOUTS[layout], "admit": statistics.mean(admits) * 1e3,
             "gc": statistics.mean(gcs) * 1e3,
             "cold": cold, "warm": warm, "hit": hit,
-            "bph": eng.bytes_per_hash,
+            "bph": eng.bytes_per_hash, "rss_mb": eng.rss_growth / 2**20,
             "stores": eng.work["stores"] / steps, "keys": eng.work["keys"] / steps,
             "flushes": eng.work["flushes"] / steps,
             "loads": (eng.sched.stats().loads - loads0) / steps}
@@ -408,7 +421,8 @@ def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str,
           f"{out['p99']:6.2f} | {out['us_req']:6.1f} | {out['gc']:5.2f} | {out['admit']:6.2f} | "
           f"{out['storing_ratio']:5.2f} | "
           f"{out['stores']:6.1f} | {out['keys']:7.1f} | {out['flushes']:5.1f} | "
-          f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {hit!s:>7} | {out['bph']:6.0f} |",
+          f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {hit!s:>7} | {out['bph']:6.0f} | "
+          f"{out['rss_mb']:7.0f} |",
           flush=True)
     if up is not None:
         vout = summarize(times[1], stores[1], args.requests)
@@ -493,7 +507,7 @@ def main() -> None:
           f"1+{SPEC_TOKENS} tokens/step, {args.steps} steps, thread CPU time")
     print("| layout           | context | mean ms | p50 | p99 | us/req | gc ms | admit ms | "
           "store x | "
-          "stores | keys | flush | load | cold ms | warm ms | hit | B/hash |")
+          "stores | keys | flush | load | cold ms | warm ms | hit | B/hash | RSS MB |")
     # Longest context first: the RSS growth of the first set-up is the honest memory
     # figure (later set-ups reuse pages the process already holds).
     res = {(lay, c): run_config(lay, c, args)

@@ -232,8 +232,9 @@ def _reset_forgets_stale_blocks(original: Any) -> Any:
         flush: tuple[int, ...] = original(self)
         for req in self._reqs.values():
             for placed in req.placed:
-                for pos in range(len(placed)):
-                    placed[pos] = self._stale.step
+                if placed.steps:  # one run from position 0, placed now
+                    del placed.starts[1:], placed.steps[1:]
+                    placed.steps[0] = self._stale.step
         return flush
     return reset
 

@@ -10,7 +10,7 @@ O(context).
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import overload
@@ -64,6 +64,36 @@ class GroupKeys:
         yield from self[:]
 
 
+# Block ids are below num_gpu_blocks <= 2**24 (``OffloadConfig`` refuses more), so a C int
+# (4 bytes on every platform CPython supports) holds any of them.
+ID_TYPECODE = "i"
+
+
+class Placements:
+    """The step each position of one window table was placed at, as runs.
+
+    Positions are only ever appended, one step after another, so the steps never
+    decrease along the table: run ``r`` covers positions ``starts[r]`` up to the next
+    run's start (or the table's end) and all of them were placed at ``steps[r]``. A
+    prefill's whole table is one run instead of one 8-byte stamp per position (at 128K
+    DeepSeek-V4 tokens that was 12 of the ~200 bytes each hash block cost); a decode step
+    that appends a block adds one run (16 bytes).
+    """
+
+    __slots__ = ("starts", "steps")
+
+    def __init__(self) -> None:
+        self.starts: array[int] = array("q")
+        self.steps: array[int] = array("q")
+
+    def place(self, first: int, step: int) -> None:
+        """Positions from ``first`` (the table's old length) on were placed at ``step``."""
+        steps = self.steps
+        if not steps or steps[-1] != step:
+            self.starts.append(first)
+            steps.append(step)
+
+
 @dataclass
 class RequestState:
     """What the scheduler remembers of one request between hooks."""
@@ -74,9 +104,9 @@ class RequestState:
     skip_reading: bool
     hashes: list[bytes]
     keys: list[GroupKeys]
-    # Block tables as int64 arrays, not lists: 8 bytes a position and nothing for the
-    # cyclic garbage collector to walk (lists of a 128K-token request's 50K ids, times 256
-    # requests, made each full collection 60 ms longer).
+    # Block tables as 4-byte int arrays (``ID_TYPECODE``), not lists: 4 bytes a position
+    # and nothing for the cyclic garbage collector to walk (lists of a 128K-token
+    # request's 50K ids, times 256 requests, made each full collection 60 ms longer).
     tables: list[array[int]]
     cursors: list[int]
     jobs: set[int] = field(default_factory=set)
@@ -84,16 +114,16 @@ class RequestState:
     # (computed_tokens, hit) of the latest lookup that answered a number: the only load
     # after_alloc accepts. None after PENDING or once after_alloc consumed it.
     looked_up: tuple[int, int] | None = None
-    # Per window-group table position, the step that placed its id there (empty for FULL
-    # groups): the id is stale once it was allocated again at a later step
-    # (``StaleWindows``). 8 bytes a position, no per-id Python objects.
-    placed: list[array[int]] = field(default_factory=list)
+    # Per window-group table, the step that placed each position's id (never used for
+    # FULL groups): the id is stale once it was allocated again at a later step
+    # (``StaleWindows``).
+    placed: list[Placements] = field(default_factory=list)
 
     def clear_tables(self) -> None:
         """Forget every block table (the engine resends them whole)."""
         n = len(self.tables)
-        self.tables = [array("q") for _ in range(n)]
-        self.placed = [array("q") for _ in range(n)]
+        self.tables = [array(ID_TYPECODE) for _ in range(n)]
+        self.placed = [Placements() for _ in range(n)]
 
     @classmethod
     def fresh(cls, cfg: OffloadConfig, request_id: str, prompt_tokens: int,
@@ -103,8 +133,8 @@ class RequestState:
         n = len(cfg.groups)
         keys = [GroupKeys(hashes, cfg.hashes_per_chunk(g), g) for g in range(n)]
         return cls(request_id, prompt_tokens, max_offload_tokens, skip_reading, hashes,
-                   keys, [array("q") for _ in range(n)], [0] * n,
-                   placed=[array("q") for _ in range(n)])
+                   keys, [array(ID_TYPECODE) for _ in range(n)], [0] * n,
+                   placed=[Placements() for _ in range(n)])
 
 
 @dataclass
@@ -217,14 +247,22 @@ class StaleWindows:
         for gpu_id in allocated:
             at[gpu_id] = step
 
-    def zero_stale(self, table: array[int], placed: array[int], lo: int, hi: int) -> None:
-        """Zero the stale ids of ``table[lo:hi]`` (``placed`` is non-decreasing: tables
-        only grow, one step after another, so positions placed this step are skipped)."""
+    def zero_stale(self, table: array[int], placed: Placements, lo: int, hi: int) -> None:
+        """Zero the stale ids of ``table[lo:hi]``, one placement run at a time."""
         step, at = self.step, self.allocated_at
-        # Positions placed this step come last and cannot be stale (nothing was allocated
-        # after them), so a prefill's whole table costs one bisection.
-        hi = bisect_left(placed, step, lo, max(lo, min(hi, len(placed))))
-        for pos in range(lo, hi):
-            gpu_id = table[pos]
-            if gpu_id and gpu_id < len(at) and at[gpu_id] > placed[pos]:
-                table[pos] = 0
+        starts, steps = placed.starts, placed.steps
+        hi = min(hi, len(table))
+        runs = len(starts)
+        run = bisect_right(starts, lo) - 1
+        while lo < hi and 0 <= run < runs:
+            placed_at = steps[run]
+            if placed_at >= step:
+                # Placed this step, and so is everything after it: nothing was allocated
+                # after them, so a prefill's fresh table costs one bisection.
+                return
+            end = min(hi, starts[run + 1]) if run + 1 < runs else hi
+            for pos in range(lo, end):
+                gpu_id = table[pos]
+                if gpu_id and gpu_id < len(at) and at[gpu_id] > placed_at:
+                    table[pos] = 0
+            lo, run = end, run + 1

@@ -11,7 +11,6 @@ hook's records to ``kvcore.spec.invariants``.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -137,7 +136,6 @@ class OffloadScheduler:
         self._stale = StaleWindows()
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
         self._store_shape = store_shape(config)
-        self._stamp = array("q", (0,))  # the step a window position is placed at
         self._read_blocks = read_blocks(config)
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
@@ -477,14 +475,13 @@ class OffloadScheduler:
             req.hashes.extend(sr.new_hashes)
         if sr.resumed:
             req.clear_tables()
-        stamp = self._stamp  # one array, restamped, not one built per request
-        stamp[0] = self._stale.step
-        window = self._window_groups
+        step, window = self._stale.step, self._window_groups
         for group, ids in enumerate(sr.new_block_ids):
             if ids:
-                req.tables[group].extend(ids)
+                table = req.tables[group]
                 if window[group]:
-                    req.placed[group].extend(stamp * len(ids))
+                    req.placed[group].place(len(table), step)
+                table.extend(ids)
 
     def _drop(self, request_id: str) -> None:
         """Stop tracking a request; nothing of it stays reachable."""

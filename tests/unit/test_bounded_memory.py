@@ -14,9 +14,12 @@ preemptions), checking the marks against the live tables after every step.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from refinement._engine import Engine
 
 from kvcore.manager import CPUOffloadManager, ManagerEvent
@@ -96,17 +99,26 @@ WINDOWS = OffloadConfig((GroupSpec(GroupKind.FULL, 2),
 
 
 def check_stale_marks(s: OffloadScheduler) -> None:
-    """One placement step per window-table position, none for FULL tables; steps never
-    decrease along a table and never run ahead of the scheduler's step."""
+    """Window tables' placement runs start at position 0, at strictly increasing
+    positions within the table and strictly increasing steps that never run ahead of the
+    scheduler's step (at most one run per step: the marks are bounded by the steps that
+    placed ids, not by the table's length); FULL tables have none."""
     step = s._stale.step
     assert len(s._stale.allocated_at) <= WINDOWS.num_gpu_blocks
     for rid in s.tracked_requests():
         req = s._reqs[rid]
         for g, (table, placed) in enumerate(zip(req.tables, req.placed, strict=True)):
             window = WINDOWS.groups[g].kind is not GroupKind.FULL
-            assert len(placed) == (len(table) if window else 0)
-            assert list(placed) == sorted(placed)
-            assert all(0 <= p <= step for p in placed)
+            starts, steps = list(placed.starts), list(placed.steps)
+            assert len(starts) == len(steps)
+            if not window or not table:
+                assert not starts
+                continue
+            assert starts[0] == 0
+            assert all(a < b for a, b in itertools.pairwise(starts))
+            assert starts[-1] < len(table)
+            assert all(a < b for a, b in itertools.pairwise(steps))
+            assert 0 < steps[-1] <= step
 
 
 def test_stale_marks_follow_the_live_tables_and_nothing_outlives_a_request() -> None:
@@ -143,7 +155,7 @@ def test_repeated_lookups_do_not_grow_the_stale_marks() -> None:
         e.reqs[rid].resend = True
         e.step()
         check_stale_marks(s)  # one mark per slot of the resent tables, not one per send
-        assert sum(map(len, s._reqs[rid].placed)) > 0
+        assert sum(len(p.steps) for p in s._reqs[rid].placed) > 0
     s.request_finished(rid)
     e.deliver([(j, w, True) for j, w in e.pending_reports()])
     assert rid not in s.tracked_requests()
@@ -154,23 +166,69 @@ def test_stale_means_allocated_after_placed() -> None:
     placed in the very step that allocated it is fresh, and so is an id never allocated."""
     from array import array
 
-    from kvcore.scheduler._state import StaleWindows
+    from kvcore.scheduler._state import Placements, StaleWindows
 
     stale = StaleWindows()
     stale.advance(frozenset({5, 6}))          # step 1: 5 and 6 handed out
-    table = [5, 6, 7, 0]
-    placed = array("q", [1, 1, 1, 1])         # all placed at step 1
+    table = array("i", [5, 6, 7, 0])
+    placed = Placements()
+    placed.place(0, 1)                        # all placed at step 1
     stale.zero_stale(table, placed, 0, 4)
-    assert table == [5, 6, 7, 0]              # allocated in the step they were placed
+    assert list(table) == [5, 6, 7, 0]        # allocated in the step they were placed
     stale.advance(frozenset({6, 9}))          # step 2: 6 handed out again
+    placed.place(len(table), 2)               # ... and placed again at step 2
     table.append(6)
-    placed.append(2)                          # ... and placed again at step 2
     stale.zero_stale(table, placed, 0, 2)     # only the range asked for is zeroed
-    assert table == [5, 0, 7, 0, 6]
+    assert list(table) == [5, 0, 7, 0, 6]
     stale.advance(frozenset({5}))             # step 3
     stale.zero_stale(table, placed, 0, 5)
-    assert table == [0, 0, 7, 0, 6]           # 7: never allocated again; 6 at 4: fresh
+    assert list(table) == [0, 0, 7, 0, 6]     # 7: never allocated again; 6 at 4: fresh
     stale.advance(frozenset({6}))             # step 4: 6 stale at position 4 too
     stale.zero_stale(table, placed, 4, 9)     # a range past the end is clipped
-    assert table == [0, 0, 7, 0, 0]
+    assert list(table) == [0, 0, 7, 0, 0]
     assert len(stale.allocated_at) == 10      # grows to the largest id, no further
+
+
+@st.composite
+def _placement_history(draw: st.DrawFn) -> tuple[list[tuple[frozenset[int], list[int]]],
+                                                  tuple[int, int]]:
+    """Steps, each allocating some ids and appending some of them (or older ones) to one
+    window table; then a range to zero."""
+    steps = []
+    for _ in range(draw(st.integers(1, 8))):
+        allocated = frozenset(draw(st.lists(st.integers(1, 9), max_size=4)))
+        appended = draw(st.lists(st.integers(0, 9), max_size=5))
+        steps.append((allocated, appended))
+    total = sum(len(a) for _, a in steps)
+    lo = draw(st.integers(0, total + 1))
+    return steps, (lo, draw(st.integers(lo, total + 2)))
+
+
+@given(_placement_history())
+@settings(max_examples=300, deadline=None)
+def test_placement_runs_zero_what_per_position_stamps_would(
+        history: tuple[list[tuple[frozenset[int], list[int]]], tuple[int, int]]) -> None:
+    """The run-length placements give ``zero_stale`` the answers a stamp per position
+    gives, on ranges that start and end inside runs, span several, or run past the end
+    (kills: the bisection landing one run late, a run's end read from its own start,
+    the next run starting one position late, a stale test of ``>=``)."""
+    from array import array
+
+    from kvcore.scheduler._state import Placements, StaleWindows
+
+    steps, (lo, hi) = history
+    stale, table, placed = StaleWindows(), array("i"), Placements()
+    stamps: list[int] = []
+    allocated_at: dict[int, int] = {}
+    for allocated, appended in steps:
+        stale.advance(allocated)
+        for gpu_id in allocated:
+            allocated_at[gpu_id] = stale.step
+        if appended:
+            placed.place(len(table), stale.step)
+            table.extend(appended)
+            stamps.extend([stale.step] * len(appended))
+    want = [0 if lo <= pos < hi and gpu_id and allocated_at.get(gpu_id, 0) > stamps[pos]
+            else gpu_id for pos, gpu_id in enumerate(table)]
+    stale.zero_stale(table, placed, lo, hi)
+    assert list(table) == want
