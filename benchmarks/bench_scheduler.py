@@ -378,6 +378,10 @@ def summarize(times: list[float], stores: list[int], requests: int) -> dict[str,
 
 def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str, Any]:
     """One layout x context: kvcore and (when importable) vLLM, step for step."""
+    # Only the first set-up's RSS growth is a measurement: later ones reuse pages the
+    # process already holds (and can even come out negative), so they print "-".
+    clean = not getattr(args, "memory_measured", False)
+    args.memory_measured = True
     eng = Engine(layout, context, args.requests, check=args.check)
     up = None
     if args.vllm:
@@ -421,8 +425,8 @@ def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str,
           f"{out['p99']:6.2f} | {out['us_req']:6.1f} | {out['gc']:5.2f} | {out['admit']:6.2f} | "
           f"{out['storing_ratio']:5.2f} | "
           f"{out['stores']:6.1f} | {out['keys']:7.1f} | {out['flushes']:5.1f} | "
-          f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {hit!s:>7} | {out['bph']:6.0f} | "
-          f"{out['rss_mb']:7.0f} |",
+          f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {hit!s:>7} | "
+          + (f"{out['bph']:6.0f} | {out['rss_mb']:7.0f} |" if clean else "     - |       - |"),
           flush=True)
     if up is not None:
         vout = summarize(times[1], stores[1], args.requests)
