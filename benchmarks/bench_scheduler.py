@@ -376,12 +376,11 @@ def summarize(times: list[float], stores: list[int], requests: int) -> dict[str,
             "storing_ratio": statistics.mean(heavy) / statistics.mean(light)}
 
 
-def run_config(layout: str, context: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One layout x context: kvcore and (when importable) vLLM, step for step."""
-    # Only the first set-up's RSS growth is a measurement: later ones reuse pages the
-    # process already holds (and can even come out negative), so they print "-".
-    clean = not getattr(args, "memory_measured", False)
-    args.memory_measured = True
+def run_config(layout: str, context: int, args: argparse.Namespace,
+               clean: bool) -> dict[str, Any]:
+    """One layout x context: kvcore and (when importable) vLLM, step for step. Only the
+    first (``clean``) set-up's RSS growth is a measurement: later ones reuse pages the
+    process already holds (and can even come out negative), so they print "-"."""
     eng = Engine(layout, context, args.requests, check=args.check)
     up = None
     if args.vllm:
@@ -514,8 +513,8 @@ def main() -> None:
           "stores | keys | flush | load | cold ms | warm ms | hit | B/hash | RSS MB |")
     # Longest context first: the RSS growth of the first set-up is the honest memory
     # figure (later set-ups reuse pages the process already holds).
-    res = {(lay, c): run_config(lay, c, args)
-           for lay in args.layouts for c in sorted(args.contexts, reverse=True)}
+    runs = [(lay, c) for lay in args.layouts for c in sorted(args.contexts, reverse=True)]
+    res = {run: run_config(*run, args, clean=i == 0) for i, run in enumerate(runs)}
     if args.vllm is not None:
         print_vllm(args.vllm, res)
     top = max(args.contexts)

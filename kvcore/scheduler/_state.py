@@ -76,7 +76,7 @@ class Placements:
     decrease along the table: run ``r`` covers positions ``starts[r]`` up to the next
     run's start (or the table's end) and all of them were placed at ``steps[r]``. A
     prefill's whole table is one run instead of one 8-byte stamp per position (at 128K
-    DeepSeek-V4 tokens that was 12 of the ~200 bytes each hash block cost); a decode step
+    DeepSeek-V4 tokens that was 13 of the 220 bytes each hash block cost); a decode step
     that appends a block adds one run (16 bytes).
     """
 
