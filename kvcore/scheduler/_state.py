@@ -11,12 +11,78 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
 from kvcore.spec.plans import JobKind, TransferPlan
 from kvcore.spec.types import Key, OffloadConfig, make_key
+
+# Hashes per frozen segment of a ``HashChain`` (a power of two: an index splits with a
+# shift and a mask).
+SEGMENT_BITS = 10
+SEGMENT = 1 << SEGMENT_BITS
+
+
+class HashChain:
+    """One request's block hashes: append-only, in segments the garbage collector skips.
+
+    A plain list of a 128K-token request's 32K hashes is a container the cyclic collector
+    walks on every full collection, one visit (and cache miss) per hash: 256 such
+    requests made each full collection 0.5 s, and the youngest generation walked each
+    admitted prompt's list again. Here every ``SEGMENT`` hashes are frozen into a tuple;
+    a tuple holding only ``bytes`` is untracked the first time the collector sees it, so
+    what stays tracked is the short list of segments and the tail (under ``SEGMENT``
+    hashes). Reads cost one shift and mask more than a list's; strided reads (a group's
+    chunk ends) are one C-level slice per segment.
+    """
+
+    __slots__ = ("_segments", "_tail")
+
+    def __init__(self, hashes: Sequence[bytes] = ()) -> None:
+        self._segments: list[tuple[bytes, ...]] = []
+        self._tail: list[bytes] = []
+        self.extend(hashes)
+
+    def extend(self, hashes: Sequence[bytes]) -> None:
+        tail = self._tail
+        tail.extend(hashes)
+        if len(tail) >= SEGMENT:
+            whole = len(tail) - len(tail) % SEGMENT
+            self._segments.extend(tuple(tail[at:at + SEGMENT])
+                                  for at in range(0, whole, SEGMENT))
+            del tail[:whole]
+
+    def __len__(self) -> int:
+        return (len(self._segments) << SEGMENT_BITS) + len(self._tail)
+
+    def __getitem__(self, index: int) -> bytes:
+        """Hash ``index`` (0 <= index < len; callers index within the chain)."""
+        frozen = len(self._segments) << SEGMENT_BITS
+        if index < frozen:
+            return self._segments[index >> SEGMENT_BITS][index & (SEGMENT - 1)]
+        return self._tail[index - frozen]
+
+    def strided(self, start: int, stop: int, step: int) -> list[bytes]:
+        """``hashes[start:stop:step]`` for ``0 <= start`` and ``step >= 1``."""
+        stop = min(stop, len(self))
+        segments = self._segments
+        frozen = len(segments) << SEGMENT_BITS
+        out: list[bytes] = []
+        at = start
+        while at < min(stop, frozen):
+            base = at & ~(SEGMENT - 1)
+            end = min(stop, base + SEGMENT)
+            out.extend(segments[at >> SEGMENT_BITS][at - base:end - base:step])
+            at += -(-(end - at) // step) * step  # the first index >= end on the stride
+        if at < stop:
+            out.extend(self._tail[at - frozen:stop - frozen:step])
+        return out
+
+    def __iter__(self) -> Iterator[bytes]:
+        for segment in self._segments:
+            yield from segment
+        yield from self._tail
 
 
 class GroupKeys:
@@ -31,7 +97,7 @@ class GroupKeys:
 
     __slots__ = ("_hashes", "_hpc", "_suffix")
 
-    def __init__(self, hashes: list[bytes], hashes_per_chunk: int, group: int) -> None:
+    def __init__(self, hashes: HashChain, hashes_per_chunk: int, group: int) -> None:
         self._hashes = hashes
         self._hpc = hashes_per_chunk
         # make_key's encoding of the group, computed once (and range-checked by it).
@@ -50,10 +116,13 @@ class GroupKeys:
         hpc, hashes, suffix = self._hpc, self._hashes, self._suffix
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
-            if step != 1:
+            if step < 1:
                 return [hashes[(i + 1) * hpc - 1] + suffix for i in range(start, stop, step)]
-            # Chunk ends are every hpc-th hash: one strided slice, no index arithmetic.
-            return [h + suffix for h in hashes[(start + 1) * hpc - 1:stop * hpc:hpc]]
+            if start >= stop:
+                return []
+            # Chunk ends are every hpc-th hash: strided slices, no index arithmetic.
+            return [h + suffix for h in hashes.strided((start + 1) * hpc - 1,
+                                                       stop * hpc, hpc * step)]
         n = len(self)
         at = index + n if index < 0 else index
         if not 0 <= at < n:
@@ -102,7 +171,7 @@ class RequestState:
     prompt_tokens: int
     max_offload_tokens: int | None
     skip_reading: bool
-    hashes: list[bytes]
+    hashes: HashChain
     keys: list[GroupKeys]
     # Block tables as 4-byte int arrays (``ID_TYPECODE``), not lists: 4 bytes a position
     # and nothing for the cyclic garbage collector to walk (lists of a 128K-token
@@ -128,8 +197,8 @@ class RequestState:
     @classmethod
     def fresh(cls, cfg: OffloadConfig, request_id: str, prompt_tokens: int,
               max_offload_tokens: int | None, skip_reading: bool,
-              hashes: list[bytes]) -> RequestState:
-        """A new request's state; its keys read ``hashes`` (extend that list in place)."""
+              hashes: HashChain) -> RequestState:
+        """A new request's state; its keys read ``hashes`` (extend that chain in place)."""
         n = len(cfg.groups)
         keys = [GroupKeys(hashes, cfg.hashes_per_chunk(g), g) for g in range(n)]
         return cls(request_id, prompt_tokens, max_offload_tokens, skip_reading, hashes,

@@ -34,7 +34,7 @@ from kvcore.scheduler._rules import (
     storable_prefix,
     store_shape,
 )
-from kvcore.scheduler._state import Job, JobTable, RequestState, StaleWindows
+from kvcore.scheduler._state import HashChain, Job, JobTable, RequestState, StaleWindows
 from kvcore.spec.errors import (
     ArgumentRangeError,
     ArgumentTypeError,
@@ -159,7 +159,7 @@ class OffloadScheduler:
         self._hash_len = hash_len
         req = RequestState.fresh(self.config, info.request_id, info.prompt_tokens,
                                  info.max_offload_tokens, info.skip_reading,
-                                 list(info.block_hashes))
+                                 HashChain(info.block_hashes))
         self._reqs[info.request_id] = req
         if self.check:
             self._check_keys(req)

@@ -21,7 +21,7 @@ from spec_strategies import configs
 
 from kvcore.presets import PRESETS, preset
 from kvcore.scheduler._rules import quiet_cursors, store_shape
-from kvcore.scheduler._state import RequestState
+from kvcore.scheduler._state import HashChain, RequestState
 from kvcore.scheduler._store import draft_store
 from kvcore.spec.types import OffloadConfig, cdiv
 
@@ -31,7 +31,7 @@ HASH = bytes(28)
 def request(cfg: OffloadConfig, frontier: int, cursors: list[int]) -> RequestState:
     """A request whose tables hold a real id at every position up to ``frontier``."""
     hashes = [i.to_bytes(4, "little") + HASH for i in range(frontier // cfg.hash_block_tokens)]
-    req = RequestState.fresh(cfg, "r", frontier, None, False, hashes)
+    req = RequestState.fresh(cfg, "r", frontier, None, False, HashChain(hashes))
     req.tables = [array("q", range(1, cdiv(frontier, g.tokens_per_block) + 1))
                   for g in cfg.groups]
     req.cursors = list(cursors)

@@ -1,12 +1,16 @@
-"""Keys derived on read (``GroupKeys``) equal the eager ``make_key`` derivation."""
+"""Keys derived on read (``GroupKeys``) equal the eager ``make_key`` derivation, and the
+hash chain they read (``HashChain``) answers as the plain list it replaces."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvcore.scheduler._state import GroupKeys
+from kvcore.scheduler._state import SEGMENT, GroupKeys, HashChain
 from kvcore.spec.types import make_key
 
 
@@ -15,7 +19,7 @@ def test_every_read_equals_make_key_of_the_chunk_end(hpc: int) -> None:
     rng = random.Random(hpc)
     for n in range(0, 200, 13):
         hashes = [rng.randbytes(8) for _ in range(n)]
-        keys = GroupKeys(hashes, hpc, 3)
+        keys = GroupKeys(HashChain(hashes), hpc, 3)
         want = [make_key(hashes[(i + 1) * hpc - 1], 3) for i in range(n // hpc)]
         assert len(keys) == len(want)
         assert list(keys) == want
@@ -23,15 +27,62 @@ def test_every_read_equals_make_key_of_the_chunk_end(hpc: int) -> None:
             for b in range(-3, len(want) + 3, 4):
                 assert keys[a:b] == want[a:b]
                 assert keys[a:b:2] == want[a:b:2]
+                assert keys[b:a:-1] == want[b:a:-1]
             if -len(want) <= a < len(want):
                 assert keys[a] == want[a]
 
 
-def test_length_follows_the_hash_list_and_out_of_range_raises() -> None:
-    hashes = [bytes([i]) * 4 for i in range(5)]
+def test_keys_across_segments_equal_make_key() -> None:
+    """Chunk ends that fall in frozen segments, at their edges and in the tail."""
+    n = 3 * SEGMENT + 37
+    hashes = [i.to_bytes(4, "little") for i in range(n)]
+    for hpc in (1, 3, 64, SEGMENT, SEGMENT + 1):
+        keys = GroupKeys(HashChain(hashes), hpc, 1)
+        want = [make_key(hashes[(i + 1) * hpc - 1], 1) for i in range(n // hpc)]
+        assert keys[:] == want
+        for a, b in ((0, 1), (SEGMENT // hpc - 1, SEGMENT // hpc + 2), (5, len(want))):
+            assert keys[a:b] == want[a:b]
+            assert keys[a:b:3] == want[a:b:3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2 * SEGMENT + 5), max_size=6), st.data())
+def test_chain_answers_as_a_list(extends: list[int], data: st.DataObject) -> None:
+    """A chain built by any series of extends reads as the list of the same hashes."""
+    chain, model = HashChain(), []
+    for size in extends:
+        new = [(len(model) + i).to_bytes(4, "little") for i in range(size)]
+        chain.extend(new)
+        model.extend(new)
+        assert len(chain) == len(model)
+    assert list(chain) == model
+    if model:
+        for index in data.draw(st.lists(st.integers(0, len(model) - 1), max_size=10)):
+            assert chain[index] == model[index]
+    for _ in range(5):
+        start = data.draw(st.integers(0, len(model) + 2))
+        stop = data.draw(st.integers(0, len(model) + SEGMENT))
+        step = data.draw(st.sampled_from([1, 2, 3, 64, SEGMENT - 1, SEGMENT + 7]))
+        assert chain.strided(start, stop, step) == model[start:stop:step]
+
+
+def test_frozen_segments_are_not_walked_by_the_collector() -> None:
+    """The point of the chain: after a collection, only the tail is a tracked container."""
+    chain = HashChain([bytes(32)] * (2 * SEGMENT + 5))
+    chain.extend([bytes(32)] * (SEGMENT - 3))  # completes a third segment
+    gc.collect()
+    segments = [r for r in gc.get_referents(chain) if isinstance(r, list)]
+    frozen = [s for part in segments for s in part if isinstance(s, tuple)]
+    assert len(frozen) == 3 and all(len(s) == SEGMENT for s in frozen)
+    assert not any(gc.is_tracked(s) for s in frozen)
+    assert len(chain) == 3 * SEGMENT + 2
+
+
+def test_length_follows_the_hash_chain_and_out_of_range_raises() -> None:
+    hashes = HashChain([bytes([i]) * 4 for i in range(5)])
     keys = GroupKeys(hashes, 2, 0)
     assert len(keys) == 2
-    hashes.append(b"\xff" * 4)
+    hashes.extend([b"\xff" * 4])
     assert len(keys) == 3 and keys[2] == make_key(b"\xff" * 4, 0)
     # The message names the valid range (0..n-1), as a list's would not.
     with pytest.raises(IndexError, match=r"^chunk 3 outside 0\.\.2$"):
