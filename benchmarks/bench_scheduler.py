@@ -21,13 +21,14 @@ stored, flushes, loads), and the cold lookup (``add_request`` plus ``lookup`` of
 128K prompt whose prefix is in the tier: keys derived inside the timed span) and the warm
 one (a second lookup of the same request), with the hit it answered. The workers report
 every job before the probes, so the probe's prefix is READY: a probe while its stores are
-in flight answers PENDING, a deferral, which is not the cost of a lookup. Memory: ``RSS MB``
-is the process's RSS growth over the set-up (everything: the engine's block tables too);
-``B/hash`` is kvcore's part of it, the growth less the engine's block tables (4-byte
-arrays, so their size is exact), per hash block tracked; it includes the hashes kvcore
-keeps (in the benchmark no one else holds them; an engine that keeps its own, as vLLM's
-``Request.block_hashes`` does, shares the objects). Only the first configuration's
-figures (the SUMMARY's) are clean.
+in flight answers PENDING, a deferral, which is not the cost of a lookup. Memory, measured
+over the set-up in two phases, as vLLM holds it: the engine first builds every prompt's
+block hashes and keeps them (``Request.block_hashes``: ``hash B`` is their RSS per hash
+block), then admits the requests; ``B/hash`` is kvcore's part of the second phase's RSS
+growth (the growth less the engine's block tables: 4-byte arrays, so their size is
+exact) per hash block tracked, kvcore's references to the engine's hashes included;
+``RSS MB`` is both phases together, everything. Only the first configuration's figures
+(the SUMMARY's) are clean.
 
 vLLM: when ``vllm`` is importable (``--no-vllm`` skips it), the same workload also runs
 through vLLM's own ``OffloadingConnectorScheduler`` (``benchmarks/_vllm_baseline.py``), in
@@ -122,6 +123,9 @@ class Live:
     # figure is not the benchmark's own Python ints: their bytes are exact and subtracted.
     tables: list[array[int]] = field(default_factory=list)
     hashed: int = 0  # hash blocks handed to the scheduler so far
+    # The prompt's block hashes, kept by the engine as vLLM's Request.block_hashes is (the
+    # scheduler refers to the same objects).
+    prompt_hashes: tuple[bytes, ...] = ()
     freed: list[int] = field(default_factory=lambda: [0] * 8)  # window blocks freed
 
 
@@ -221,20 +225,25 @@ class Engine:
         self.preempted: str | None = None
         self.work = {"stores": 0, "keys": 0, "flushes": 0, "loads": 0, "storing_reqs": 0}
         rss0 = rss_bytes()
-        for i in range(requests):
+        waiting = [Live(f"r{i}", i, context - i) for i in range(requests)]
+        for live in waiting:
+            live.prompt_hashes = self.hashes(live, 0, live.tokens)
+        rss1 = rss_bytes()
+        for live in waiting:
             # Admit one request at a time and complete its stores, so the tier's LRU can
             # evict older chunks instead of refusing while everything is still WRITING.
-            self.prefill(Live(f"r{i}", i, context - i))
+            self.prefill(live)
             self.sched.worker_output(self.pending)
             self.pending = []
         self.hash_blocks = sum(live.hashed for live in self.live.values())
-        grown = rss_bytes() - rss0
-        # The engine's own state is its block tables (exact: 4 bytes an id); the rest of
-        # the growth is kvcore's, the hashes it keeps included.
+        grown = rss_bytes() - rss1
+        # The engine's own state is its hashes (the first phase) and its block tables
+        # (exact: 4 bytes an id); the rest of the admission's growth is kvcore's.
         self.engine_bytes = sum(len(t) * t.itemsize for live in self.live.values()
                                 for t in live.tables)
         self.bytes_per_hash = (grown - self.engine_bytes) / max(self.hash_blocks, 1)
-        self.rss_growth = grown
+        self.hash_bytes_per_block = (rss1 - rss0) / max(self.hash_blocks, 1)
+        self.rss_growth = rss_bytes() - rss0
 
     # -- requests -------------------------------------------------------------------------
 
@@ -242,6 +251,11 @@ class Engine:
         return tuple(hash_of(live.seed, i) for i in range(start, tokens // self.hbt))
 
     def new_hashes(self, live: Live) -> tuple[bytes, ...]:
+        if live.hashed == 0:  # admission: the prompt's hashes, which the engine keeps
+            if not live.prompt_hashes:
+                live.prompt_hashes = self.hashes(live, 0, live.tokens)
+            live.hashed = len(live.prompt_hashes)
+            return live.prompt_hashes
         out = self.hashes(live, live.hashed, live.tokens)
         live.hashed += len(out)
         return out
@@ -419,6 +433,7 @@ def run_config(layout: str, context: int, args: argparse.Namespace,
             "gc": statistics.mean(gcs) * 1e3,
             "cold": cold, "warm": warm, "hit": hit,
             "bph": eng.bytes_per_hash, "rss_mb": eng.rss_growth / 2**20,
+            "hash_bph": eng.hash_bytes_per_block,
             "stores": eng.work["stores"] / steps, "keys": eng.work["keys"] / steps,
             "flushes": eng.work["flushes"] / steps,
             "loads": (eng.sched.stats().loads - loads0) / steps}
@@ -427,7 +442,8 @@ def run_config(layout: str, context: int, args: argparse.Namespace,
           f"{out['storing_ratio']:5.2f} | "
           f"{out['stores']:6.1f} | {out['keys']:7.1f} | {out['flushes']:5.1f} | "
           f"{out['loads']:4.1f} | {cold:7.2f} | {warm:6.2f} | {hit!s:>7} | "
-          + (f"{out['bph']:6.0f} | {out['rss_mb']:7.0f} |" if clean else "     - |       - |"),
+          + (f"{out['bph']:6.0f} | {out['hash_bph']:6.0f} | {out['rss_mb']:7.0f} |" if clean
+             else "     - |      - |       - |"),
           flush=True)
     if up is not None:
         vout = summarize(times[1], stores[1], args.requests)
@@ -512,7 +528,7 @@ def main() -> None:
           f"1+{SPEC_TOKENS} tokens/step, {args.steps} steps, thread CPU time")
     print("| layout           | context | mean ms | p50 | p99 | us/req | gc ms | admit ms | "
           "store x | "
-          "stores | keys | flush | load | cold ms | warm ms | hit | B/hash | RSS MB |")
+          "stores | keys | flush | load | cold ms | warm ms | hit | B/hash | hash B | RSS MB |")
     # Longest context first: the RSS growth of the first set-up is the honest memory
     # figure (later set-ups reuse pages the process already holds).
     runs = [(lay, c) for lay in args.layouts for c in sorted(args.contexts, reverse=True)]
@@ -532,7 +548,8 @@ def main() -> None:
           f"storing_step_ratio={max(r['storing_ratio'] for r in res.values()):.2f} "
           f"lookup_cold_ms_128k_dsv4={(dsv4 or nan)['cold']:.2f} "
           f"lookup_cold_ms_128k_llama={llama['cold']:.2f} "
-          f"bytes_per_hash_block={first['bph']:.0f}" + vllm_summary(first))
+          f"bytes_per_hash_block={first['bph']:.0f} "
+          f"setup_rss_mb={first['rss_mb']:.0f}" + vllm_summary(first))
 
 
 def vllm_summary(first: dict[str, Any]) -> str:
