@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import overload
 
 from kvcore.scheduler import _rules, _store
-from kvcore.scheduler._state import RequestState
+from kvcore.scheduler._state import HashChain, RequestState
 from kvcore.spec.invariants import (
     CursorMoveRecord,
     PlanRecord,
@@ -255,7 +255,7 @@ def _store_plan(layout: int, cursor: int, frontier: int, num_gpu: int, ids: list
     keys: list[list[Key]] = [[make_key(bytes([i, c]), i) for c in range(8)] for i in range(n)]
     cursors = [1 << 30] * n  # the other groups have nothing left to offer
     cursors[group] = c0
-    req = RequestState("r", v, None, False, [], keys, tables, cursors)
+    req = RequestState("r", v, None, False, HashChain(), keys, tables, cursors)
     draft = _store.draft_store(cfg, req, v)
     offer = draft.offers[group]
     if not offer_holds(cfg, group, c0, v, v, tables[group], offer):

@@ -57,8 +57,12 @@ def test_chain_answers_as_a_list(extends: list[int], data: st.DataObject) -> Non
         assert len(chain) == len(model)
     assert list(chain) == model
     if model:
-        for index in data.draw(st.lists(st.integers(0, len(model) - 1), max_size=10)):
+        for index in data.draw(st.lists(st.integers(-len(model), len(model) - 1),
+                                        max_size=10)):
             assert chain[index] == model[index]
+    for index in (len(model), -len(model) - 1):
+        with pytest.raises(IndexError):
+            chain[index]
     for _ in range(5):
         start = data.draw(st.integers(0, len(model) + 2))
         stop = data.draw(st.integers(0, len(model) + SEGMENT))
@@ -67,7 +71,8 @@ def test_chain_answers_as_a_list(extends: list[int], data: st.DataObject) -> Non
 
 
 def test_frozen_segments_are_not_walked_by_the_collector() -> None:
-    """The point of the chain: after a collection, only the tail is a tracked container."""
+    """The point of the chain: after a collection its frozen segments are untracked, so
+    only the chain, its list of segments and the tail are left for the collector."""
     chain = HashChain([bytes(32)] * (2 * SEGMENT + 5))
     chain.extend([bytes(32)] * (SEGMENT - 3))  # completes a third segment
     gc.collect()
