@@ -11,6 +11,7 @@ hook's records to ``kvcore.spec.invariants``.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -34,7 +35,14 @@ from kvcore.scheduler._rules import (
     storable_prefix,
     store_shape,
 )
-from kvcore.scheduler._state import HashChain, Job, JobTable, RequestState, StaleWindows
+from kvcore.scheduler._state import (
+    ID_TYPECODE,
+    HashChain,
+    Job,
+    JobTable,
+    RequestState,
+    StaleWindows,
+)
 from kvcore.spec.errors import (
     ArgumentRangeError,
     ArgumentTypeError,
@@ -89,6 +97,9 @@ from kvcore.spec.types import (
 )
 
 # What the scheduler calls on its manager (``kvcore.manager.OffloadManager``'s interface).
+# Id lists at least this long enter a block table packed by struct (``_apply_blocks``).
+_PACK_FROM = 64
+
 MANAGER_METHODS = ("lookup", "touch", "prepare_load", "complete_load", "prepare_store",
                    "complete_store", "reset", "take_events", "stats")
 
@@ -481,7 +492,14 @@ class OffloadScheduler:
                 table = req.tables[group]
                 if window[group]:
                     req.placed[group].place(len(table), step)
-                table.extend(ids)
+                if len(ids) < _PACK_FROM:
+                    table.extend(ids)
+                else:
+                    # A prefill's or a resumed request's whole table (50K ids at 128K
+                    # DeepSeek-V4 tokens): array.extend converts a tuple id by id through
+                    # its generic item path, struct packs it in one C loop, 3x faster.
+                    # Validated ids (0 <= id < num_gpu_blocks <= 2**24) fit the C int.
+                    table.frombytes(struct.pack(f"{len(ids)}{ID_TYPECODE}", *ids))
 
     def _drop(self, request_id: str) -> None:
         """Stop tracking a request; nothing of it stays reachable."""

@@ -282,6 +282,25 @@ def test_request_preemption() -> None:
     assert not e.sched.impl.has_pending_work()
 
 
+def test_long_block_lists_enter_the_tables_in_order() -> None:
+    """A prefill's or a resumed request's block lists of 64 ids or more enter the tables
+    through struct packing, not ``array.extend``: every stored chunk must still read the
+    ids at its own positions (the engine's ownership witness checks each one), for a
+    prefill of 130 blocks and again after a preemption resends them whole."""
+    cfg = config(GroupSpec(FULL, 4), gpu=300, cpu=300)
+    e, _ = engine(cfg, chunk=4 * 130)
+    rid = e.arrive(tokens(4 * 131), 1)
+    _, plan = prefill(e, rid)
+    (store,) = plan.stores
+    assert [e.owner[i][2] for i in store.groups[0].gpu_block_ids] == list(range(130))
+    e.step(preempt=(rid,))
+    settle(e)
+    hit, plan = prefill(e, rid)  # resumed: its 131 ids are sent whole
+    assert hit == 4 * 130 and where(e, plan.loads) == {(0, p) for p in range(130)}
+    settle(e)
+    assert where(e, e.step().stores) == {(0, 130)}  # read from the resent table
+
+
 # -- §7.2 items 3, 5, 11: completion order, aborts, one complete_store per job ------------------
 
 
