@@ -136,7 +136,8 @@ class CPUOffloadManager(OffloadManager):
         self._writing: set[Key] = set()  # stored keys whose write has not completed
         self._pins: dict[Key, int] = {}  # pinned keys -> pins (absent: not pinned)
         self._events: deque[ManagerEvent] = deque()
-        self._event_keys = 0  # keys in ``_events``
+        self._event_keys = 0  # keys in ``_events``, less the ``_head_skip`` dropped ones
+        self._head_skip = 0  # keys of ``_events[0]`` already dropped (``_emit``)
         self._max_events = max_pending_events
         self._events_dropped = 0
         self._evictions = 0
@@ -388,6 +389,10 @@ class CPUOffloadManager(OffloadManager):
 
     def take_events(self) -> list[ManagerEvent]:
         events, self._events, self._event_keys = list(self._events), deque(), 0
+        if self._head_skip:
+            first = events[0]
+            events[0] = ManagerEvent(first.keys[self._head_skip:], first.removed)
+            self._head_skip = 0
         return events
 
     def reset(self) -> None:
@@ -397,7 +402,7 @@ class CPUOffloadManager(OffloadManager):
             pool.next_fresh, pool.free = 0, []
             pool.used = pool.writing = pool.pinned = 0
             pool.policy.clear()
-        self._events, self._event_keys = deque(), 0
+        self._events, self._event_keys, self._head_skip = deque(), 0, 0
 
     # -- helpers --------------------------------------------------------------------
 
@@ -426,22 +431,30 @@ class CPUOffloadManager(OffloadManager):
         self._evictions += len(victims)
 
     def _emit(self, event: ManagerEvent) -> None:
-        """Buffer an event; past ``max_pending_events`` keys the oldest keys go first."""
+        """Buffer an event; past ``max_pending_events`` keys the oldest keys go first.
+
+        Dropping part of the oldest event is counted in ``_head_skip`` and its tuple cut
+        only once half of it is gone (or when the events are taken): cutting it at every
+        emit copied a prefill's 50K-key event for each one- or two-key event after it,
+        O(that event) per store while nobody drained the buffer. The cut part stays
+        referenced until then, at most half of one event beyond the bound.
+        """
         events = self._events
         events.append(event)
         self._event_keys += len(event.keys)
         excess = self._event_keys - self._max_events
-        while excess > 0:
+        if excess <= 0:
+            return
+        self._events_dropped += excess
+        self._event_keys -= excess
+        skip = self._head_skip + excess
+        while skip and len(events[0].keys) <= skip:
+            skip -= len(events.popleft().keys)
+        if skip and 2 * skip >= len(events[0].keys):
             first = events[0]
-            if len(first.keys) <= excess:
-                events.popleft()
-                dropped = len(first.keys)
-            else:
-                events[0] = ManagerEvent(first.keys[excess:], first.removed)
-                dropped = excess
-            self._events_dropped += dropped
-            self._event_keys -= dropped
-            excess -= dropped
+            events[0] = ManagerEvent(first.keys[skip:], first.removed)
+            skip = 0
+        self._head_skip = skip
 
     def _allocate(self, key: Key) -> int:
         group = key_group(key)

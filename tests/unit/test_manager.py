@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcore.manager import (
     CPUOffloadManager,
@@ -497,3 +499,40 @@ def test_check_mode_accepts_correct_evictions_and_none() -> None:
     m.prepare_load(k(1))
     assert m.prepare_store(k(3, 4)) is None
     assert m.prepare_store(k(3)) == result([3], [1], [2])
+
+
+@given(st.integers(0, 6),
+       st.lists(st.one_of(st.integers(1, 9), st.none()), max_size=14))
+@settings(max_examples=300, deadline=None)
+def test_the_event_buffer_drops_the_oldest_keys_as_a_flat_list_would(
+        cap: int, script: list[int | None]) -> None:
+    """``max_pending_events`` against a flat model: every key of every event in order, the
+    oldest beyond the cap dropped, regrouped by event at ``take_events``. Cuts inside the
+    oldest event are applied lazily (``_emit``), so this holds the lazy count to the flat
+    answer at every take (kills: take_events ignoring the pending cut, the cut applied
+    twice, the dropped count off by the lazy part)."""
+    m = CPUOffloadManager(1 << 10, check=True, max_pending_events=cap)
+    flat: list[tuple[int, Key]] = []  # (event number, key), oldest first
+    dropped = fresh = events = 0
+    for step in script:
+        if step is None:  # the engine drains the buffer
+            want: dict[int, list[Key]] = {}
+            for number, key in flat:
+                want.setdefault(number, []).append(key)
+            got = m.take_events()
+            assert [list(e.keys) for e in got] == list(want.values())
+            assert not any(e.removed for e in got)
+            flat = []
+            continue
+        keys = [make_key(fresh.to_bytes(8, "little") + bytes(24), 0) for fresh in
+                range(fresh, fresh + step)]
+        fresh += step
+        out = m.prepare_store(keys)
+        assert out is not None and list(out.keys_to_store) == keys
+        m.complete_store(keys)
+        flat += [(events, key) for key in keys]
+        events += 1
+        over = max(0, len(flat) - cap)
+        dropped += over
+        del flat[:over]
+        assert m.stats().events_dropped == dropped
