@@ -228,7 +228,8 @@ class OffloadConfig:
 # ``KeyEvent`` each, about 100 bytes); when full the oldest are dropped and counted. The
 # default, 65536, is several seconds of a busy tier (10k chunks/s) for an engine that
 # drains every step, about 6 MiB; 2**24 (1.6 GiB) is the most any set-up needs. 0 means
-# "no events": the engine never calls take_events.
+# "no events": the engine never calls take_events. Keys dropped from the oldest event stay
+# referenced until half of it is gone (the manager's ``_emit``): under twice the cap.
 DEFAULT_MAX_PENDING_EVENTS = 65_536
 MAX_PENDING_EVENTS = 1 << 24
 
