@@ -96,10 +96,10 @@ from kvcore.spec.types import (
     key_hash,
 )
 
-# What the scheduler calls on its manager (``kvcore.manager.OffloadManager``'s interface).
 # Id lists at least this long enter a block table packed by struct (``_apply_blocks``).
 _PACK_FROM = 64
 
+# What the scheduler calls on its manager (``kvcore.manager.OffloadManager``'s interface).
 MANAGER_METHODS = ("lookup", "touch", "prepare_load", "complete_load", "prepare_store",
                    "complete_store", "reset", "take_events", "stats")
 

@@ -509,8 +509,8 @@ def test_the_event_buffer_drops_the_oldest_keys_as_a_flat_list_would(
     """``max_pending_events`` against a flat model: every key of every event in order, the
     oldest beyond the cap dropped, regrouped by event at ``take_events``. Cuts inside the
     oldest event are applied lazily (``_emit``), so this holds the lazy count to the flat
-    answer at every take (kills: take_events ignoring the pending cut, the cut applied
-    twice, the dropped count off by the lazy part)."""
+    answer at every take (kills: take_events ignoring the pending cut, a cut one key off,
+    the dropped count off by the lazy part)."""
     m = CPUOffloadManager(1 << 10, check=True, max_pending_events=cap)
     flat: list[tuple[int, Key]] = []  # (event number, key), oldest first
     dropped = fresh = events = 0
@@ -524,8 +524,8 @@ def test_the_event_buffer_drops_the_oldest_keys_as_a_flat_list_would(
             assert not any(e.removed for e in got)
             flat = []
             continue
-        keys = [make_key(fresh.to_bytes(8, "little") + bytes(24), 0) for fresh in
-                range(fresh, fresh + step)]
+        keys = [make_key(i.to_bytes(8, "little") + bytes(24), 0)
+                for i in range(fresh, fresh + step)]
         fresh += step
         out = m.prepare_store(keys)
         assert out is not None and list(out.keys_to_store) == keys
