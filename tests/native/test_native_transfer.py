@@ -417,6 +417,18 @@ def test_bad_tensors_are_value_errors(make_bad: object) -> None:
         TransferEngine(make_config((1,)), [[make_bad()]])  # type: ignore[operator]
 
 
+def test_a_tensor_reporting_negative_strides_is_named_with_its_bound() -> None:
+    """torch builds no tensor with a negative stride today, but a subclass or a later torch
+    may report one; the row check must not take it for a layout it can address. The error
+    carries the offending stride and the bound (0) so a caller can act on it."""
+    bad = _pool()
+    bad.stride = lambda *dim: (-32, 8, 1)  # type: ignore[method-assign]
+    with pytest.raises(TransferArgumentError, match="negative strides") as info:
+        TransferEngine(make_config((1,)), [[bad]])
+    assert (info.value.where, info.value.value, info.value.bound) == (
+        "gpu_tensors[0][0]", -32, 0), info.value
+
+
 def test_group_count_and_options_are_checked() -> None:
     with pytest.raises(ValueError):
         TransferEngine(make_config((1, 1)), [[_pool()]])
