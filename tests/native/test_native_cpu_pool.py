@@ -12,6 +12,7 @@ the engine reads them; stores whose bytes are found at the computed place in the
 from __future__ import annotations
 
 import ctypes
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -211,7 +212,16 @@ def test_a_buffer_inside_a_gpu_tensor_is_refused() -> None:
     cfg, tensors, buf = _aliasing_buffer()
     with pytest.raises(TransferArgumentError) as info:
         TransferEngine(cfg, tensors, cpu_buffer=buf)
-    assert "shares memory" in str(info.value)
+    text = str(info.value)
+    assert "shares memory" in text, text
+    # The two byte ranges it names are the real ones: they overlap, one starts where the
+    # GPU tensor does, and each ends where its start plus its extent says.
+    ranges = [(int(a, 16), int(b, 16)) for a, b in re.findall(r"(0x[0-9a-f]+)\.\.(0x[0-9a-f]+)",
+                                                              text)]
+    assert len(ranges) == 2 and all(a < b for a, b in ranges), text
+    (a0, b0), (a1, b1) = sorted(ranges)
+    assert a0 == tensors[0][0].data_ptr() and a1 < b0, text
+    assert b0 - a0 == tensors[0][0].numel() or b1 - a1 == tensors[0][0].numel(), text
 
 
 @pytest.mark.parametrize("field", ["storage_ptr", "storage_nbytes"])
