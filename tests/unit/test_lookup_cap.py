@@ -179,3 +179,43 @@ def test_bad_cap_is_refused_and_changes_nothing(bad: Any) -> None:
         with pytest.raises(BadStepError, match="max_tokens"):
             sched.lookup("r", 0, 8, max_tokens=bad)
         assert sched.stats().lookups == 0
+
+
+def test_the_pop_rule_is_told_each_groups_verification_number() -> None:
+    """``extra_chunks(group, n)`` gets 0 for a group's first verification, then 1, 2, ...
+
+    The default rule ignores ``n``; the bug zoo's rules (``pop-once-only``) key on it, so a
+    loop that numbered from 1, or skipped numbers, would change what the zoo tests. Here the
+    draft window shrinks the boundary after the FULL group passed, the window-2 group then
+    shrinks it again, and the draft group is verified a second time.
+    """
+    cfg = make_config(GroupSpec(FULL, 2), GroupSpec(SLIDING, 2, window_tokens=2),
+                      GroupSpec(SLIDING, 2, window_tokens=4, is_draft=True))
+    rows = ["HH.HHH", "H..HHH", "HHHHHH"]
+    calls: dict[int, list[int]] = {}
+
+    def pops(group: int, n: int) -> int:
+        calls.setdefault(group, []).append(n)
+        return cfg.groups[group].extra_chunks
+
+    got = converge(cfg, 0, 13, [6, 6, 6], lambda g, i: rows[g][i] == "H", pops)
+    assert got.hit == 2
+    assert calls == {0: [0], 1: [0], 2: [0, 1]}
+
+
+def test_a_lookup_no_group_can_support_reads_no_key() -> None:
+    """A draft group with only its volatile chunk rules out any hit before a key is read.
+
+    9 tokens: the 2-token group has 4 keys, the 8-token draft group 1, all of which is the
+    chunk its verification needs beyond the boundary. No boundary is supported, so the loop
+    must not scan the other group's keys first (each read is a manager call).
+    """
+    cfg = make_config(GroupSpec(FULL, 2), GroupSpec(FULL, 8, is_draft=True))
+    reads: list[tuple[int, int]] = []
+
+    def is_hit(group: int, idx: int) -> bool:
+        reads.append((group, idx))
+        return True
+
+    got = converge(cfg, 0, 9, [4, 1], is_hit)
+    assert (got.hit, got.trace, reads) == (0, (), [])

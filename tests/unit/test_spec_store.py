@@ -137,6 +137,9 @@ def test_leading_null_sub_blocks_are_dropped_from_the_first_run() -> None:
     table = (0, 0, 7, 8, 9, 10)
     assert chunk_source_blocks(table, 0, 3) == (2, (7,))
     assert chunk_source_blocks(table, 1, 3) == (3, (8, 9, 10))
+    # An odd number of leading nulls: each null is skipped on its own, not in pairs.
+    assert chunk_source_blocks((0, 7, 8), 0, 3) == (1, (7, 8))
+    assert chunk_source_blocks((5, 6, 0, 7), 1, 2) == (3, (7,))
 
 
 def test_no_hole_after_a_chunked_prefill_store() -> None:
