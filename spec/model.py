@@ -752,10 +752,16 @@ class ReferenceScheduler:
             job.fenced |= job.fence_at_finish
 
     def reset(self) -> tuple[int, ...]:
-        """Drop the CPU tier and every job (returned, to be waited for); cursors go to 0."""
+        """Drop the CPU tier and every job (returned, to be waited for); cursors go to 0.
+
+        Refused while a load is queued: the engine was told its blocks will be filled,
+        and a reset before the step hands the load out would drop it unannounced.
+        """
+        if self.queued_loads:
+            raise BadStepError("reset() between after_alloc and build_step: loads "
+                               f"{[p.job_id for p in self.queued_loads]} are queued")
         flush = tuple(sorted(self.jobs))
         self.jobs = {}
-        self.queued_loads = []
         self.stale_below = self.next_job_id
         self.manager.reset()
         self.requests = {r: req for r, req in self.requests.items() if not req.finished}

@@ -540,8 +540,6 @@ class OffloadScheduler:
         built = _store.build_store(self.config, req, draft, self._jobs.new_id(), accepted)
         self._jobs.add(Job(built.plan, window_sources=built.window_sources,
                            other_sources=built.other_sources))
-        if req.finished:
-            self._jobs.fence_ids(built.plan.job_id, built.other_sources)
         req.jobs.add(built.plan.job_id)
         self._stats.stores += 1
         self._stats.chunks_stored += len(out.keys_to_store)
@@ -657,7 +655,9 @@ class OffloadScheduler:
         """Drop the CPU tier and every job; returns the jobs the workers must wait for.
 
         Reports for jobs issued before the reset are ignored afterwards; every tracked
-        request stores again from its first chunk.
+        request stores again from its first chunk. Refused (``BadStepError``, nothing
+        changed) between ``after_alloc`` and ``build_step``: the queued load's blocks were
+        promised to the engine, so dropping it would serve stale bytes.
         """
         if self._queued_loads:
             raise BadStepError("reset() between after_alloc and build_step: loads "

@@ -120,6 +120,9 @@ BAD: dict[str, Bad] = {
         step(preempted=("a", "zz"), allocated=frozenset({6})), UnknownRequestError, "'zz'"),
     "request_finished, unknown request": Bad(lambda s: s.request_finished("zz"),
                                              UnknownRequestError, "'zz'"),
+    # -- call order -------------------------------------------------------------------------
+    "reset, with 'b's load queued but not handed out": Bad(lambda s: s.reset(), BadStepError,
+                                                           "loads [3]"),
     "cursors, unknown request": Bad(lambda s: s.cursors("zz"), UnknownRequestError, "'zz'"),
     "add_request, id already tracked": Bad(lambda s: s.add_request(RequestInfo("a", 4)),
                                            BadStepError, "'a'"),
