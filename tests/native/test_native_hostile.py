@@ -160,6 +160,23 @@ def test_a_pool_grown_or_swapped_after_registration_fails_jobs() -> None:
     """)
 
 
+def test_a_pool_view_moved_inside_its_own_storage_fails_jobs() -> None:
+    """Same storage, same size, but the tensor now starts one row later (``set_`` with an
+    offset): block ids would address other rows than the registered ones."""
+    run_child("""
+        whole = torch.randn((13, 4, 64))
+        kv = whole[:12]
+        engine = TransferEngine(cfg, [[kv]])
+        kv.set_(whole.untyped_storage(), 4 * 64, kv.shape, kv.stride())
+        refused(engine, STORE)
+        before = whole.clone()
+        result = run(engine, LOAD)
+        assert not result.success and "now points at" in result.error, result
+        assert torch.equal(whole, before), "a refused load wrote the GPU pool"
+        engine.close()
+    """)
+
+
 def test_dropping_the_engines_reference_frees_nothing_kvcore_copies() -> None:
     """The engine keeps each storage alive: ``del kv`` and a collection later, a store and
     a load still move the right bytes through memory that is still allocated."""
@@ -346,6 +363,29 @@ def test_the_id_limit_admits_exactly_its_bound(engine: TransferEngine,
     with pytest.raises(TransferArgumentError) as info:
         engine.validate(_plan(groups=_group(ids=(3, 4, 5, 6, 7, 8), slots=(1, 2, 3))))
     assert info.value.bound == 4 and info.value.value == 6, info.value
+
+
+def test_the_descriptor_limit_counts_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Descriptors are ids x tensors: 4 ids of a group with K and V tensors make 8, over a
+    limit of 4 that the ids alone meet. The total is refused by name before any byte
+    moves (a check of the id count alone would let a K/V job through at twice the limit).
+    """
+    from kvcore.transfer import _plans
+
+    monkeypatch.setattr(_plans, "MAX_IDS_PER_GROUP", 4)
+    k, v = torch.randn((BLOCKS, 4, 8)), torch.randn((BLOCKS, 4, 8))
+    with TransferEngine(_config(), [[k, v]]) as two:
+        before = two.cpu_tensor(0, 0).clone(), two.cpu_tensor(0, 1).clone()
+        plan = _plan(groups=_group(ids=(3, 4, 5, 6), slots=(1, 2)))
+        with pytest.raises(KVCopyError) as info:
+            two.validate(plan)
+        assert info.value.code == Status.E_LIMIT and info.value.job_id == 9, info.value
+        assert "8 descriptors" in str(info.value) and "no bytes were copied" in str(info.value)
+        two.submit(plan)
+        (result,) = two.wait([plan.job_id], timeout=60)
+        assert not result.success and result.bytes == 0, result
+        assert torch.equal(two.cpu_tensor(0, 0), before[0])
+        assert torch.equal(two.cpu_tensor(0, 1), before[1])
 
 
 def test_a_job_id_in_flight_is_refused_and_the_first_job_still_runs(

@@ -153,3 +153,48 @@ def test_a_wait_that_times_out_with_nothing_pending_is_x2(
                 sim._wait(ids)
     finally:
         sim.transfer.close()
+
+
+def test_a_copy_failing_after_it_was_enqueued_fails_its_job_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver error while the stream runs a copy (CUDA reports it at the event behind the
+    copy) must fail that job, never report it as landed; the next job still lands."""
+    real_copy = _stream._native.copy
+    calls = [0]
+
+    def copy(regions: Any, descs: Any, **funnel: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("CUDA error 700: an illegal memory access was encountered")
+        real_copy(regions, descs, **funnel)
+
+    monkeypatch.setattr(_stream._native, "copy", copy)
+    cfg = preset(DEFAULT)
+    gpu = [[torch.full((cfg.num_gpu_blocks, 8), g + 1, dtype=torch.uint8)] for g in
+           range(len(cfg.groups))]
+    with TransferEngine(cfg, gpu, simulate_stream=5) as engine:
+        before = engine.read_cpu_chunk(0, 0, 0)
+        engine.submit(_store(1, 5, 0, len(cfg.groups)))
+        engine.submit(_store(2, 6, 1, len(cfg.groups)))
+        first, second = engine.wait([1, 2])
+        assert (first.job_id, first.success, first.bytes) == (1, False, 0)
+        assert "illegal memory access" in (first.error or "")
+        assert (second.job_id, second.success, second.bytes) == (2, True, 8)
+        assert engine.read_cpu_chunk(0, 0, 0) == before  # job 1 wrote nothing
+        assert engine.read_cpu_chunk(0, 0, 1) == bytes([1] * 8)
+
+
+def test_the_stand_in_refuses_events_the_driver_would() -> None:
+    """Unknown, destroyed and excess events raise instead of answering (the driver's
+    CUDA_ERROR_INVALID_HANDLE; a leak of events would otherwise go unseen)."""
+    stream = _stream.SimulatedStream(0)
+    with pytest.raises(_stream.StreamMisuse, match="not alive"):
+        stream.event_synchronize(1)
+    events = [stream.event_create() for _ in range(_stream.MAX_EVENTS)]
+    with pytest.raises(_stream.StreamMisuse, match=f"more than {_stream.MAX_EVENTS} events"):
+        stream.event_create()
+    stream.event_destroy(events[0])
+    with pytest.raises(_stream.StreamMisuse, match="not alive"):
+        stream.event_done(events[0])
+    assert stream.live_events() == _stream.MAX_EVENTS - 1
+    stream.event_create()  # a destroyed event's place is free again

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from kvcore.manager import CPUOffloadManager
+from kvcore.manager import CPUOffloadManager, OffloadManager
 from kvcore.presets import preset
 from kvcore.scheduler import OffloadScheduler, RequestInfo
-from kvcore.spec.errors import ArgumentTypeError, BadKeyError
+from kvcore.spec.errors import ArgumentTypeError, BadKeyError, BadReportError
 from kvcore.spec.manager_model import ReferenceManager
 from kvcore.spec.model import ReferenceScheduler
 from kvcore.spec.types import (
@@ -137,3 +137,32 @@ def test_second_run_stops_once_its_hit_must_be_smaller() -> None:
     tier.reads = 0
     assert s.lookup("r", 0, 131072) is PENDING
     assert tier.reads < 1000, tier.reads  # 512 FULL keys plus the windows' last ranges
+
+
+def test_the_default_lookup_many_asks_key_by_key() -> None:
+    """A tier written against ``OffloadManager`` that defines only ``lookup`` still answers
+    the scheduler's block reads, one status per key, in order."""
+    tier = CountingTier(8)
+    keys = [make_key(bytes([i]) * 8, 0) for i in range(4)]
+    set_states([tier], keys[:2], [Status.HIT, Status.PENDING])
+    assert OffloadManager.lookup_many(tier, keys) == [Status.HIT, Status.PENDING,
+                                                      Status.MISS, Status.MISS]
+    assert tier.reads == 4
+
+
+class ShortTier(CPUOffloadManager):
+    """A faulty tier: its block read answers one status too few."""
+
+    def lookup_many(self, keys: Any) -> list[Status]:
+        return super().lookup_many(keys)[:-1]
+
+
+def test_a_tier_answering_too_few_statuses_is_named() -> None:
+    """The scheduler must not read past a short answer (an IndexError, or a hit built on
+    a status the tier never gave): it names the tier's fault instead."""
+    cfg = OffloadConfig((GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
+                        num_gpu_blocks=64, num_cpu_blocks=64)
+    sched = OffloadScheduler(cfg, ShortTier(64))
+    sched.add_request(RequestInfo("r", 16, tuple(hashes_of(0, 4))))
+    with pytest.raises(BadReportError, match=r"lookup_many answered \d+ statuses for \d+ keys"):
+        sched.lookup("r", 0, 16)
