@@ -22,7 +22,8 @@ SEED        ?= 0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py native/build_native.py native/kvcore_copy.c native/kvcore_copy.h
+$(STAMP): pyproject.toml setup.py native/build_native.py native/kvcore_copy.c native/kvcore_copy.h \
+          native/kvcore_scan.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"

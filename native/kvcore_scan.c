@@ -1,0 +1,155 @@
+/* kvcore._scan: one-pass C scans over the sequences a hook value carries.
+ *
+ * Why C: building a hook value checks every item it carries (exact int block ids >= 0,
+ * exact bytes hashes of one length), and those sequences grow with the context. A
+ * preempted 128K-token DeepSeek-V4 request resends 51,712 block ids; the Python checks
+ * (a set of the items' types, then min, then max) cost about 2 ms of that step, and the
+ * 32,768 hashes of a 128K prompt about 1.3 ms of its first lookup. These loops read each
+ * item once, run no Python code (so a list cannot change under them) and allocate nothing
+ * but the answer.
+ *
+ * They only vouch: a scan answers a number when the input is certainly fine and -1
+ * otherwise, and the Python checks in kvcore.spec.hooks (the definition, which raise the
+ * errors) run whenever a scan does not vouch. A scan may therefore be stricter than the
+ * definition (ints beyond 2**63 are not vouched for) but never looser;
+ * tests/unit/test_scan.py holds them to that on hostile inputs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The items of an exact tuple or list in *items and *n, and 1; 0 for anything else (a
+ * subclass could override __getitem__ or __iter__, so what the scan read would not be what
+ * Python code reads). An empty list's item pointer is NULL: *n says how many to read. */
+static int items_of(PyObject *seq, PyObject ***items, Py_ssize_t *n)
+{
+    if (PyTuple_CheckExact(seq)) {
+        *n = PyTuple_GET_SIZE(seq);
+        *items = ((PyTupleObject *)seq)->ob_item;
+        return 1;
+    }
+    if (PyList_CheckExact(seq)) {
+        *n = PyList_GET_SIZE(seq);
+        *items = ((PyListObject *)seq)->ob_item;
+        return 1;
+    }
+    return 0;
+}
+
+/* ids_max(seq) -> int: the largest item when seq is an exact tuple or list of exact ints,
+ * each 0 <= x < 2**63 (0 when empty); -1 otherwise. A bool or an int subclass is not an
+ * exact int. */
+static PyObject *ids_max(PyObject *self, PyObject *seq)
+{
+    (void)self;
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    if (!items_of(seq, &items, &n))
+        return PyLong_FromLong(-1);
+    long long top = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = items[i];
+        if (!PyLong_CheckExact(x))
+            return PyLong_FromLong(-1);
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+        if (overflow != 0 || v < 0) {
+            if (v == -1 && PyErr_Occurred())
+                return NULL;
+            return PyLong_FromLong(-1);
+        }
+        if (v > top)
+            top = v;
+    }
+    return PyLong_FromLongLong(top);
+}
+
+/* hashes_len(seq, max_len) -> int: the common length when seq is an exact tuple or list
+ * of exact bytes, all of one length in 1..max_len (0 when empty); -1 otherwise. */
+static PyObject *hashes_len(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "hashes_len(seq, max_len) takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t max_len = PyLong_AsSsize_t(args[1]);
+    if (max_len == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    if (!items_of(args[0], &items, &n))
+        return PyLong_FromLong(-1);
+    if (n == 0)
+        return PyLong_FromLong(0);
+    if (!PyBytes_CheckExact(items[0]))
+        return PyLong_FromLong(-1);
+    Py_ssize_t size = PyBytes_GET_SIZE(items[0]);
+    if (size < 1 || size > max_len)
+        return PyLong_FromLong(-1);
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyObject *h = items[i];
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != size)
+            return PyLong_FromLong(-1);
+    }
+    return PyLong_FromSsize_t(size);
+}
+
+/* pack_ids(seq) -> bytes: the items as native C ints (array('i').frombytes takes them),
+ * for ids already validated. Anything but an exact tuple or list of exact ints in
+ * 0..INT_MAX raises ValueError: never a silent truncation. */
+static PyObject *pack_ids(PyObject *self, PyObject *seq)
+{
+    (void)self;
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    if (!items_of(seq, &items, &n)) {
+        PyErr_SetString(PyExc_ValueError, "pack_ids takes a tuple or list of ints");
+        return NULL;
+    }
+    if (n > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(int)) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int));
+    if (out == NULL)
+        return NULL;
+    int *dst = (int *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = items[i];
+        int overflow = 0;
+        long long v = PyLong_CheckExact(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : -1;
+        if (!PyLong_CheckExact(x) || overflow != 0 || v < 0 || v > INT_MAX) {
+            Py_DECREF(out);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError,
+                             "pack_ids: item %zd is not an int in 0..%d", i, INT_MAX);
+            return NULL;
+        }
+        dst[i] = (int)v;
+    }
+    return out;
+}
+
+static PyMethodDef scan_methods[] = {
+    {"ids_max", (PyCFunction)ids_max, METH_O,
+     "ids_max(seq) -> the largest item of a tuple/list of exact ints in 0..2**63-1 "
+     "(0 when empty), else -1."},
+    {"hashes_len", (PyCFunction)(void (*)(void))hashes_len, METH_FASTCALL,
+     "hashes_len(seq, max_len) -> the common length of a tuple/list of exact bytes, all "
+     "of one length in 1..max_len (0 when empty), else -1."},
+    {"pack_ids", (PyCFunction)pack_ids, METH_O,
+     "pack_ids(seq) -> bytes of native C ints; ValueError unless every item is an exact "
+     "int in 0..INT_MAX."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef scan_module = {
+    PyModuleDef_HEAD_INIT, "kvcore._scan",
+    "One-pass C scans over hook sequences (block ids, hashes); see native/kvcore_scan.c.",
+    -1, scan_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__scan(void) { return PyModule_Create(&scan_module); }

@@ -1,0 +1,200 @@
+"""The C scans (``kvcore._scan``, native/kvcore_scan.c) against their Python definitions.
+
+Goal: the hook dataclasses accept an id table or a hash tuple without their Python item
+checks whenever a scan vouches for it, so a scan that vouches for one bad item lets it in
+(a bool as block 1, a bytearray hash whose key is unhashable, a hash of another length).
+Each scan must answer exactly as the plain Python statement of what it checks, on hostile
+items and containers; the hook values built with the scans must equal, or fail exactly
+as, the ones built by the Python checks alone; and kvcore must have installed them.
+
+Mutants these kill: ``PyLong_Check`` for ``PyLong_CheckExact`` (a bool or an int subclass
+vouched for), ``v <= 0`` for ``v < 0`` (id 0 refused), a dropped overflow test (2**64
+read as -1 or wrapped), ``PyBytes_Check`` for the exact test, a length compared only with
+the first item's bound, a tuple subclass read through its C items, ``> 0`` for ``>= 0``
+where the hooks read a scan's answer, and ``kvcore/__init__`` not installing the scans.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcore
+from kvcore import _scan
+from kvcore.spec import hooks
+from kvcore.spec.errors import KVCoreError
+from kvcore.spec.hooks import RequestInfo, ScheduledRequest
+
+INT_MAX = 2**31 - 1
+
+
+class SubInt(int):
+    """An int whose comparisons lie: never a block id."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+
+class SubBytes(bytes):
+    pass
+
+
+class SubTuple(tuple):  # type: ignore[type-arg]
+    pass
+
+
+class SubList(list):  # type: ignore[type-arg]
+    pass
+
+
+ID_ITEMS = st.one_of(
+    st.integers(0, 1 << 24),
+    st.integers(-(1 << 70), 1 << 70),
+    st.sampled_from([0, 1, -1, 2**63 - 1, 2**63, 2**64, -(2**63), True, False]),
+    st.builds(SubInt, st.integers(0, 100)),
+    st.floats(0, 10),
+    st.none(),
+    st.text(max_size=2),
+)
+HASH_ITEMS = st.one_of(
+    st.binary(min_size=0, max_size=70),
+    st.binary(min_size=32, max_size=32),
+    st.builds(bytearray, st.binary(max_size=33)),
+    st.builds(SubBytes, st.binary(min_size=32, max_size=32)),
+    st.builds(memoryview, st.binary(min_size=32, max_size=32)),
+    st.integers(),
+    st.text(max_size=3),
+)
+CONTAINERS: list[Callable[[list[Any]], Any]] = [tuple, list, SubTuple, SubList,
+                                                lambda xs: iter(xs)]
+
+
+def _containers(items: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    # Mostly one kind of item (the fine case must be drawn often), sometimes a mix.
+    runs = st.one_of(st.lists(items, max_size=12),
+                     items.flatmap(lambda x: st.lists(st.just(x), min_size=1, max_size=5)))
+    return st.tuples(st.sampled_from(CONTAINERS), runs).map(lambda p: p[0](p[1]))
+
+
+def ids_definition(seq: object) -> int:
+    """What ``ids_max`` vouches for, stated plainly."""
+    if type(seq) not in (tuple, list):
+        return -1
+    if not all(type(x) is int and 0 <= x < 2**63 for x in seq):  # type: ignore[attr-defined]
+        return -1
+    return max(seq, default=0)  # type: ignore[call-overload, no-any-return]
+
+
+def hashes_definition(seq: object, max_len: int) -> int:
+    """What ``hashes_len`` vouches for, stated plainly."""
+    if type(seq) not in (tuple, list):
+        return -1
+    items = list(seq)  # type: ignore[call-overload]
+    if not items:
+        return 0
+    if not all(type(h) is bytes for h in items):
+        return -1
+    sizes = {len(h) for h in items}
+    size = len(items[0])
+    return size if len(sizes) == 1 and 0 < size <= max_len else -1
+
+
+@settings(max_examples=400)
+@given(_containers(ID_ITEMS))
+def test_ids_max_vouches_exactly_for_exact_nonnegative_ints(seq: Any) -> None:
+    assert _scan.ids_max(seq) == ids_definition(seq)
+
+
+@settings(max_examples=400)
+@given(_containers(HASH_ITEMS), st.sampled_from([1, 32, 64, 68]))
+def test_hashes_len_vouches_exactly_for_exact_bytes_of_one_length(seq: Any,
+                                                                  max_len: int) -> None:
+    assert _scan.hashes_len(seq, max_len) == hashes_definition(seq, max_len)
+
+
+def test_scans_on_their_edges() -> None:
+    assert _scan.ids_max(()) == 0
+    assert _scan.ids_max((0,)) == 0
+    assert _scan.ids_max((2**63 - 1, 5)) == 2**63 - 1
+    assert _scan.ids_max((5, 2**63)) == -1  # beyond what a scan vouches for
+    assert _scan.ids_max((5, 2**64 + 7)) == -1  # not wrapped to 7
+    assert _scan.ids_max((3, True)) == -1
+    assert _scan.ids_max([7, 9, 1]) == 9
+    assert _scan.hashes_len((b"ab", b"cd"), 2) == 2
+    assert _scan.hashes_len((b"ab", b"cd"), 1) == -1
+    assert _scan.hashes_len((b"ab", b"c"), 64) == -1
+    assert _scan.hashes_len((b"a", b"cd"), 64) == -1  # a later item longer than the first
+    assert _scan.hashes_len((b"",), 64) == -1
+    assert _scan.hashes_len((), 64) == 0
+    with pytest.raises(TypeError):
+        _scan.hashes_len((b"a",))  # type: ignore[call-arg]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, INT_MAX), max_size=80), st.sampled_from([tuple, list]))
+def test_pack_ids_round_trips_through_an_int_array(ids: list[int],
+                                                   container: Callable[[list[int]], Any]
+                                                   ) -> None:
+    table = array("i")
+    table.frombytes(_scan.pack_ids(container(ids)))
+    assert table.tolist() == ids
+
+
+@pytest.mark.parametrize("bad", [(1, -1), (INT_MAX + 1,), (2**64,), (True,), (SubInt(3),),
+                                 (1.0,), ("1",), SubTuple((1,)), b"\x01", None])
+def test_pack_ids_refuses_what_an_int_array_cannot_hold_exactly(bad: object) -> None:
+    with pytest.raises(ValueError):
+        _scan.pack_ids(bad)
+
+
+def test_kvcore_installs_the_c_scans() -> None:
+    assert "kvcore" in sys.modules and kvcore.__name__ == "kvcore"
+    assert hooks._scan_ids is _scan.ids_max
+    assert hooks._scan_bytes is _scan.hashes_len
+
+
+@contextmanager
+def python_checks_only() -> Iterator[None]:
+    ids, items = hooks._scan_ids, hooks._scan_bytes
+    hooks.install_scans(hooks._no_ids_scan, hooks._no_bytes_scan)
+    try:
+        yield
+    finally:
+        hooks.install_scans(ids, items)
+
+
+def _outcome(build: Callable[[], object]) -> object:
+    try:
+        return ("ok", build())
+    except KVCoreError as e:
+        return (type(e).__name__, str(e))
+
+
+@settings(max_examples=300)
+@given(_containers(ID_ITEMS), _containers(HASH_ITEMS), st.booleans())
+def test_hook_values_are_the_same_with_and_without_the_scans(ids: Any, hashes: Any,
+                                                             as_tuple: bool) -> None:
+    """ScheduledRequest and RequestInfo accept, normalise and refuse alike either way."""
+    if not as_tuple and isinstance(ids, Iterator):
+        ids = ()
+    if isinstance(hashes, Iterator):
+        hashes = tuple(hashes)
+    tables = (ids, (5, 6)) if as_tuple else [ids]
+    builds = [
+        lambda: ScheduledRequest("r", 1, 0, 1, tables, hashes),  # type: ignore[arg-type]
+        lambda: RequestInfo("r", 16, hashes),
+        lambda: hooks.check_ids("w", "ids", ids),
+        lambda: hooks.check_keys("w", hashes),
+    ]
+    for build in builds:
+        fast = _outcome(build)
+        with python_checks_only():
+            slow = _outcome(build)
+        assert fast == slow
