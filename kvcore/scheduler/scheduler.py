@@ -145,6 +145,7 @@ class OffloadScheduler:
         self._queued_loads: list[TransferPlan] = []
         self._stale = StaleWindows()
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
+        self._tokens_per_block = tuple(g.tokens_per_block for g in config.groups)
         self._store_shape = store_shape(config)
         self._read_blocks = read_blocks(config)
         self._hash_len: int | None = None  # fixed by the first hash accepted
@@ -470,13 +471,14 @@ class OffloadScheduler:
         if preempted:
             return hash_len
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
-        new, tables = sr.new_block_ids, req.tables
-        for group, g in enumerate(cfg.groups):
-            have = 0 if sr.resumed else len(tables[group])
-            have += len(new[group]) if new else 0
-            if have < cdiv(frontier, g.tokens_per_block):
+        new, tables, resumed = sr.new_block_ids, req.tables, sr.resumed
+        for group, tokens in enumerate(self._tokens_per_block):
+            have = (0 if resumed else len(tables[group])) + (len(new[group]) if new else 0)
+            # have < cdiv(frontier, tokens), without the call: a count below the ceiling
+            # is below the quotient itself.
+            if have * tokens < frontier:
                 raise BadStepError(f"request {rid!r}: group {group} has {have} blocks, but "
-                                   f"{cdiv(frontier, g.tokens_per_block)} hold its "
+                                   f"{cdiv(frontier, tokens)} hold its "
                                    f"{frontier} computed tokens; pass every allocated block")
         return hash_len
 
