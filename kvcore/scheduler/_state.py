@@ -48,6 +48,13 @@ class HashChain:
 
     def extend(self, hashes: Sequence[bytes]) -> None:
         tail = self._tail
+        if not tail and type(hashes) is tuple and len(hashes) >= SEGMENT:
+            # A prompt's hashes (a tuple: check_hashes hands one on): its segments are
+            # slices of it, one copy, not a copy into the tail and another out of it.
+            whole = len(hashes) - len(hashes) % SEGMENT
+            self._segments.extend(hashes[at:at + SEGMENT] for at in range(0, whole, SEGMENT))
+            tail.extend(hashes[whole:])
+            return
         tail.extend(hashes)
         if len(tail) >= SEGMENT:
             whole = len(tail) - len(tail) % SEGMENT

@@ -46,13 +46,16 @@ def test_keys_across_segments_equal_make_key() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 2 * SEGMENT + 5), max_size=6), st.data())
-def test_chain_answers_as_a_list(extends: list[int], data: st.DataObject) -> None:
-    """A chain built by any series of extends reads as the list of the same hashes."""
+@given(st.lists(st.tuples(st.integers(0, 2 * SEGMENT + 5), st.booleans()), max_size=6),
+       st.data())
+def test_chain_answers_as_a_list(extends: list[tuple[int, bool]], data: st.DataObject) -> None:
+    """A chain built by any series of extends, of lists or of tuples (a tuple of a segment
+    or more into an empty tail is sliced into segments directly), reads as the list of
+    the same hashes."""
     chain, model = HashChain(), []
-    for size in extends:
+    for size, as_tuple in extends:
         new = [(len(model) + i).to_bytes(4, "little") for i in range(size)]
-        chain.extend(new)
+        chain.extend(tuple(new) if as_tuple else new)
         model.extend(new)
         assert len(chain) == len(model)
     assert list(chain) == model
@@ -73,7 +76,7 @@ def test_chain_answers_as_a_list(extends: list[int], data: st.DataObject) -> Non
 def test_frozen_segments_are_not_walked_by_the_collector() -> None:
     """The point of the chain: after a collection its frozen segments are untracked, so
     only the chain, its list of segments and the tail are left for the collector."""
-    chain = HashChain([bytes(32)] * (2 * SEGMENT + 5))
+    chain = HashChain((bytes(32),) * (2 * SEGMENT + 5))  # a prompt's tuple, sliced
     chain.extend([bytes(32)] * (SEGMENT - 3))  # completes a third segment
     gc.collect()
     segments = [r for r in gc.get_referents(chain) if isinstance(r, list)]
