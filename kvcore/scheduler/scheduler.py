@@ -143,8 +143,8 @@ class OffloadScheduler:
         self._reqs: dict[str, RequestState] = {}
         self._jobs = JobTable()
         self._queued_loads: list[TransferPlan] = []
-        self._stale = StaleWindows()
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
+        self._stale = StaleWindows(stamped=any(self._window_groups))
         self._tokens_per_block = tuple(g.tokens_per_block for g in config.groups)
         self._store_shape = store_shape(config)
         self._read_blocks = read_blocks(config)

@@ -189,6 +189,26 @@ def test_stale_means_allocated_after_placed() -> None:
     assert len(stale.allocated_at) == 10      # grows to the largest id, no further
 
 
+def test_a_layout_without_window_groups_stamps_no_ids() -> None:
+    """Only window tables are ever checked for stale ids, so a scheduler over FULL groups
+    alone keeps no stamps (none of the 8,192 ids a resumed request hands out), while its
+    steps still count; one window group (here Mamba) turns stamping on."""
+    from dataclasses import replace
+
+    from kvcore.presets import preset
+    from kvcore.scheduler import StepInput
+
+    full = replace(preset("llama3-eagle3"), num_gpu_blocks=1 << 14)
+    hybrid = replace(preset("qwen3-next-mtp"), num_gpu_blocks=1 << 14)
+    for cfg, stamps in ((full, 0), (hybrid, 8192)):
+        assert all(g.kind is GroupKind.FULL for g in cfg.groups) == (stamps == 0)
+        s = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg))
+        s.build_step(StepInput(allocated_ids=frozenset(range(1, 8193))))
+        s.build_step(StepInput())
+        assert s._stale.step == 2
+        assert len(s._stale.allocated_at) == (stamps + 1 if stamps else 0)
+
+
 @st.composite
 def _placement_history(draw: st.DrawFn) -> tuple[list[tuple[frozenset[int], list[int]]],
                                                   tuple[int, int]]:
