@@ -39,14 +39,18 @@ class HashChain:
     while the stride is under a segment.
     """
 
-    __slots__ = ("_segments", "_tail")
+    __slots__ = ("_segments", "_tail", "size")
 
     def __init__(self, hashes: Sequence[bytes] = ()) -> None:
         self._segments: list[tuple[bytes, ...]] = []
         self._tail: list[bytes] = []
+        # len(self), kept as an attribute: every scheduled request's checks and every key
+        # read ask for it, and an attribute read costs no method call.
+        self.size = 0
         self.extend(hashes)
 
     def extend(self, hashes: Sequence[bytes]) -> None:
+        self.size += len(hashes)
         tail = self._tail
         if not tail and type(hashes) is tuple and len(hashes) >= SEGMENT:
             # A prompt's hashes (a tuple: check_hashes hands one on): its segments are
@@ -63,7 +67,7 @@ class HashChain:
             del tail[:whole]
 
     def __len__(self) -> int:
-        return (len(self._segments) << SEGMENT_BITS) + len(self._tail)
+        return self.size
 
     def __getitem__(self, index: int) -> bytes:
         """Hash ``index``; negative indexes count from the end, as a list's do."""
@@ -117,7 +121,7 @@ class GroupKeys:
         self._suffix = make_key(b"", group)
 
     def __len__(self) -> int:
-        return len(self._hashes) // self._hpc
+        return self._hashes.size // self._hpc
 
     @overload
     def __getitem__(self, index: int) -> Key: ...
@@ -136,7 +140,7 @@ class GroupKeys:
             # Chunk ends are every hpc-th hash: strided slices, no index arithmetic.
             return [h + suffix for h in hashes.strided((start + 1) * hpc - 1,
                                                        stop * hpc, hpc * step)]
-        n = len(self)
+        n = hashes.size // hpc
         at = index + n if index < 0 else index
         if not 0 <= at < n:
             raise IndexError(f"chunk {index} outside 0..{n - 1}")  # the index as passed

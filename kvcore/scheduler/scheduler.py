@@ -146,6 +146,8 @@ class OffloadScheduler:
         self._window_groups = tuple(g.kind is not GroupKind.FULL for g in config.groups)
         self._stale = StaleWindows(stamped=any(self._window_groups))
         self._tokens_per_block = tuple(g.tokens_per_block for g in config.groups)
+        # No config cap on U (a request's own cap is read per request): the common case.
+        self._uncapped = config.max_offload_tokens is None and not config.prompt_only
         self._store_shape = store_shape(config)
         self._read_blocks = read_blocks(config)
         self._hash_len: int | None = None  # fixed by the first hash accepted
@@ -463,7 +465,7 @@ class OffloadScheduler:
         _validate.check_tables(cfg, "build_step", "new_block_ids", sr.new_block_ids, rid)
         hash_len = _validate.hash_length("build_step", "new_hashes", hash_len,
                                          sr.new_hashes, rid)
-        hashes = len(req.hashes) + len(sr.new_hashes)
+        hashes = req.hashes.size + len(sr.new_hashes)
         if sr.num_tokens // cfg.hash_block_tokens > hashes:
             raise BadStepError(f"request {rid!r}: num_tokens={sr.num_tokens} but only "
                                f"{hashes} hashes of {cfg.hash_block_tokens} tokens were given; "
@@ -511,8 +513,11 @@ class OffloadScheduler:
         if req.jobs and any(self._jobs.jobs[j].plan.kind is JobKind.LOAD for j in req.jobs):
             return None
         frontier = min(sr.computed_tokens + sr.scheduled_tokens, sr.num_tokens)
-        storable = storable_prefix(self.config, frontier, req.prompt_tokens,
-                                   req.max_offload_tokens)
+        if self._uncapped and req.max_offload_tokens is None:
+            storable = frontier  # U = V: no cap applies (frontier >= 0 by the hook types)
+        else:
+            storable = storable_prefix(self.config, frontier, req.prompt_tokens,
+                                       req.max_offload_tokens)
         if not self.check:
             # Most decode steps complete no chunk, or only chunks the keep rule skips: no
             # offer, at most cursor moves, no records to check (with checks on the full
