@@ -310,9 +310,9 @@ class CPUOffloadManager(OffloadManager):
         to_store = [k for k in dict.fromkeys(keys) if k not in entries]
         if not to_store:
             return _EMPTY
+        groups = [key_group(key) for key in to_store]
         by_group: dict[int, int] = {}
-        for key in to_store:  # every group is checked before anything changes
-            group = key_group(key)
+        for key, group in zip(to_store, groups, strict=True):  # all checked before changes
             if not 0 <= group < self._group_bound:
                 raise KeyGroupError("prepare_store", key, group, self._group_bound)
             by_group[group] = by_group.get(group, 0) + 1
@@ -321,7 +321,8 @@ class CPUOffloadManager(OffloadManager):
         needed = 0
         for group, count in by_group.items():
             pool = self._pools.get(group)
-            need = count - (self.capacity_of(group) - (0 if pool is None else pool.used))
+            free = self.capacity_of(group) if pool is None else pool.capacity - pool.used
+            need = count - free
             if need <= 0:
                 continue
             needed += need
@@ -336,7 +337,7 @@ class CPUOffloadManager(OffloadManager):
             if self._check:
                 self._check_eviction(keys, victims, needed, False, before)
             self._evict(victims)
-        slots = tuple(self._allocate(key) for key in to_store)
+        slots = tuple(map(self._allocate, to_store, groups))
         return PrepareStoreResult(tuple(to_store), slots, tuple(victims))
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
@@ -456,8 +457,8 @@ class CPUOffloadManager(OffloadManager):
             skip = 0
         self._head_skip = skip
 
-    def _allocate(self, key: Key) -> int:
-        group = key_group(key)
+    def _allocate(self, key: Key, group: int) -> int:
+        """A slot of ``group``'s pool (the key's group, read once by the caller)."""
         pool = self._pool(group)
         slot = pool.allocate()
         self._entries[key] = slot << GROUP_BITS | group

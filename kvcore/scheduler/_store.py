@@ -84,6 +84,9 @@ def build_store(cfg: OffloadConfig, req: RequestState, draft: StoreDraft, job_id
     positions: list[tuple[int, ...]] = []
     window: set[int] = set()
     other: set[int] = set()
+    # The draft derived each offered chunk's key, in this same order (group by group,
+    # chunk by chunk): read them back instead of deriving them again.
+    drafted = iter(draft.keys)
     for group, offer in enumerate(draft.offers):
         if not offer.offered:
             # Most groups of a decode store offer nothing: one shared empty transfer
@@ -97,7 +100,7 @@ def build_store(cfg: OffloadConfig, req: RequestState, draft: StoreDraft, job_id
         slots: list[int] = []
         keys: list[Key] = []
         for chunk in offer.offered:
-            key = req.keys[group][chunk]
+            key = next(drafted)
             if key not in accepted:
                 continue
             first, chunk_ids = chunk_source_blocks(req.tables[group], chunk, bpc)
