@@ -25,12 +25,12 @@ and the rule for (b). mutmut 3 was the other candidate; it runs the tests from a
 ``mutants/`` tree through per-function trampolines and has no C at all, so the copy-and-
 build part would have been needed anyway.
 
-The copy: tracked and unignored files plus the built ``kvcore/_kvcore_native*.so``, with
-``kvcore/spec`` and ``kvcore/proofs`` linked to ``spec/`` and ``proofs/`` so the copy
-imports as the installed package does, never the checkout. Byte-code writing is off, so a
-mutant of the same size and mtime cannot be served from a stale ``.pyc``. An unmutated
-baseline of both runners must pass first. Bounded: ``--sample`` mutants (default 60),
-``--timeout`` per run, nice'd.
+The copy: tracked and unignored files plus the built ``kvcore/*.so`` (the copy library and
+the C scans of hook inputs), with ``kvcore/spec`` and ``kvcore/proofs`` linked to ``spec/``
+and ``proofs/`` so the copy imports as the installed package does, never the checkout.
+Byte-code writing is off, so a mutant of the same size and mtime cannot be served from a
+stale ``.pyc``. An unmutated baseline of both runners must pass first. Bounded:
+``--sample`` mutants (default 60), ``--timeout`` per run, nice'd.
 """
 
 from __future__ import annotations
@@ -117,9 +117,10 @@ def copy_tree(dest: Path) -> None:
         if src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
-    built = sorted((ROOT / "kvcore").glob("_kvcore_native*.so"))
-    if not built:
-        sys.exit("mutate: kvcore/_kvcore_native*.so is not built; run `make setup` first")
+    built = sorted((ROOT / "kvcore").glob("*.so"))  # the copy library and the C scans
+    if not all(any(so.name.startswith(p) for so in built) for p in ("_kvcore_native", "_scan")):
+        sys.exit("mutate: kvcore/_kvcore_native*.so and kvcore/_scan*.so must both be built; "
+                 "run `make setup` first")
     for so in built:
         shutil.copy2(so, dest / "kvcore" / so.name)
     for name, folder in (("spec", "spec"), ("proofs", "proofs")):
