@@ -38,31 +38,59 @@ static int items_of(PyObject *seq, PyObject ***items, Py_ssize_t *n)
     return 0;
 }
 
-/* ids_max(seq) -> int: the largest item when seq is an exact tuple or list of exact ints,
- * each 0 <= x < 2**63 (0 when empty); -1 otherwise. A bool or an int subclass is not an
- * exact int. */
+/* An id's value when x is an exact int in 0..2**63-1; -1 otherwise (no exception). */
+static long long id_value(PyObject *x)
+{
+    if (!PyLong_CheckExact(x))
+        return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow != 0 || v < 0) {
+        PyErr_Clear(); /* an exact int raises nothing here; be certain none is left set */
+        return -1;
+    }
+    return v;
+}
+
+/* ids_max(seq) -> int: the largest item when seq is an exact tuple, list, set or frozenset
+ * of exact ints, each 0 <= x < 2**63 (0 when empty); -1 otherwise. A bool or an int
+ * subclass is not an exact int. (A set is read through its iterator: no Python code runs
+ * while it is read, so it cannot change.) */
 static PyObject *ids_max(PyObject *self, PyObject *seq)
 {
     (void)self;
+    long long top = 0;
     Py_ssize_t n = 0;
     PyObject **items = NULL;
-    if (!items_of(seq, &items, &n))
+    if (items_of(seq, &items, &n)) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long v = id_value(items[i]);
+            if (v < 0)
+                return PyLong_FromLong(-1);
+            if (v > top)
+                top = v;
+        }
+        return PyLong_FromLongLong(top);
+    }
+    if (!PyAnySet_CheckExact(seq))
         return PyLong_FromLong(-1);
-    long long top = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = items[i];
-        if (!PyLong_CheckExact(x))
-            return PyLong_FromLong(-1);
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-        if (overflow != 0 || v < 0) {
-            if (v == -1 && PyErr_Occurred())
-                return NULL;
+    PyObject *it = PyObject_GetIter(seq);
+    if (it == NULL)
+        return NULL;
+    PyObject *x;
+    while ((x = PyIter_Next(it)) != NULL) {
+        long long v = id_value(x);
+        Py_DECREF(x);
+        if (v < 0) {
+            Py_DECREF(it);
             return PyLong_FromLong(-1);
         }
         if (v > top)
             top = v;
     }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return NULL;
     return PyLong_FromLongLong(top);
 }
 
@@ -135,8 +163,8 @@ static PyObject *pack_ids(PyObject *self, PyObject *seq)
 
 static PyMethodDef scan_methods[] = {
     {"ids_max", (PyCFunction)ids_max, METH_O,
-     "ids_max(seq) -> the largest item of a tuple/list of exact ints in 0..2**63-1 "
-     "(0 when empty), else -1."},
+     "ids_max(seq) -> the largest item of a tuple/list/set/frozenset of exact ints in "
+     "0..2**63-1 (0 when empty), else -1."},
     {"hashes_len", (PyCFunction)(void (*)(void))hashes_len, METH_FASTCALL,
      "hashes_len(seq, max_len) -> the common length of a tuple/list of exact bytes, all "
      "of one length in 1..max_len (0 when empty), else -1."},

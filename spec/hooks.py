@@ -261,7 +261,8 @@ class StepInput:
             allocated = frozenset(ids)
         else:  # a set's items are hashable already
             allocated = frozenset(ids)
-            check_ids(where, "allocated_ids", tuple(allocated))
+            if _scan_ids(allocated) < 0:
+                check_ids(where, "allocated_ids", tuple(allocated))
         object.__setattr__(self, "requests", requests)
         object.__setattr__(self, "preempted", preempted)
         object.__setattr__(self, "allocated_ids", allocated)

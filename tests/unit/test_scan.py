@@ -30,7 +30,7 @@ import kvcore
 from kvcore import _scan
 from kvcore.spec import hooks
 from kvcore.spec.errors import KVCoreError
-from kvcore.spec.hooks import RequestInfo, ScheduledRequest
+from kvcore.spec.hooks import RequestInfo, ScheduledRequest, StepInput
 
 INT_MAX = 2**31 - 1
 
@@ -72,20 +72,28 @@ HASH_ITEMS = st.one_of(
     st.integers(),
     st.text(max_size=3),
 )
+class SubFrozenSet(frozenset):  # type: ignore[type-arg]
+    pass
+
+
 CONTAINERS: list[Callable[[list[Any]], Any]] = [tuple, list, SubTuple, SubList,
                                                 lambda xs: iter(xs)]
+# ids_max also reads sets (StepInput.allocated_ids is a frozenset); every ID_ITEM hashes.
+ID_CONTAINERS = [*CONTAINERS, set, frozenset, SubFrozenSet]
 
 
-def _containers(items: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+def _containers(items: st.SearchStrategy[Any],
+                containers: list[Callable[[list[Any]], Any]] = CONTAINERS
+                ) -> st.SearchStrategy[Any]:
     # Mostly one kind of item (the fine case must be drawn often), sometimes a mix.
     runs = st.one_of(st.lists(items, max_size=12),
                      items.flatmap(lambda x: st.lists(st.just(x), min_size=1, max_size=5)))
-    return st.tuples(st.sampled_from(CONTAINERS), runs).map(lambda p: p[0](p[1]))
+    return st.tuples(st.sampled_from(containers), runs).map(lambda p: p[0](p[1]))
 
 
 def ids_definition(seq: object) -> int:
     """What ``ids_max`` vouches for, stated plainly."""
-    if type(seq) not in (tuple, list):
+    if type(seq) not in (tuple, list, set, frozenset):
         return -1
     if not all(type(x) is int and 0 <= x < 2**63 for x in seq):  # type: ignore[attr-defined]
         return -1
@@ -106,8 +114,8 @@ def hashes_definition(seq: object, max_len: int) -> int:
     return size if len(sizes) == 1 and 0 < size <= max_len else -1
 
 
-@settings(max_examples=400)
-@given(_containers(ID_ITEMS))
+@settings(max_examples=500)
+@given(_containers(ID_ITEMS, ID_CONTAINERS))
 def test_ids_max_vouches_exactly_for_exact_nonnegative_ints(seq: Any) -> None:
     assert _scan.ids_max(seq) == ids_definition(seq)
 
@@ -127,6 +135,9 @@ def test_scans_on_their_edges() -> None:
     assert _scan.ids_max((5, 2**64 + 7)) == -1  # not wrapped to 7
     assert _scan.ids_max((3, True)) == -1
     assert _scan.ids_max([7, 9, 1]) == 9
+    assert _scan.ids_max(frozenset({7, 9, 1})) == 9
+    assert _scan.ids_max({3, 2**63}) == -1
+    assert _scan.ids_max(SubFrozenSet({3})) == -1
     assert _scan.hashes_len((b"ab", b"cd"), 2) == 2
     assert _scan.hashes_len((b"ab", b"cd"), 1) == -1
     assert _scan.hashes_len((b"ab", b"c"), 64) == -1
@@ -189,6 +200,7 @@ def test_hook_values_are_the_same_with_and_without_the_scans(ids: Any, hashes: A
     tables = (ids, (5, 6)) if as_tuple else [ids]
     builds = [
         lambda: ScheduledRequest("r", 1, 0, 1, tables, hashes),  # type: ignore[arg-type]
+        lambda: StepInput(allocated_ids=ids),
         lambda: RequestInfo("r", 16, hashes),
         lambda: hooks.check_ids("w", "ids", ids),
         lambda: hooks.check_keys("w", hashes),
@@ -198,3 +210,14 @@ def test_hook_values_are_the_same_with_and_without_the_scans(ids: Any, hashes: A
         with python_checks_only():
             slow = _outcome(build)
         assert fast == slow
+
+
+@settings(max_examples=300)
+@given(_containers(ID_ITEMS, ID_CONTAINERS))
+def test_allocated_ids_are_taken_or_refused_alike_with_and_without_the_scans(ids: Any
+                                                                            ) -> None:
+    """StepInput asks the scan about a set of allocated ids directly (no tuple copy)."""
+    fast = _outcome(lambda: StepInput(allocated_ids=ids))
+    with python_checks_only():
+        slow = _outcome(lambda: StepInput(allocated_ids=ids))
+    assert fast == slow
