@@ -94,6 +94,58 @@ static PyObject *ids_max(PyObject *self, PyObject *seq)
     return PyLong_FromLongLong(top);
 }
 
+/* ids_distinct(seq) -> bool: True when seq is an exact tuple or list of exact ints in
+ * 0..2**63-1, no two equal; False otherwise (a repeat, or an item the scan does not
+ * vouch for: the caller's Python test decides then). An open-addressing table of twice
+ * the items, freed before returning: a resumed 128K-token request's 16K FULL-group ids
+ * cost a Python set about 0.5 ms. */
+static PyObject *ids_distinct(PyObject *self, PyObject *seq)
+{
+    (void)self;
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    if (!items_of(seq, &items, &n))
+        Py_RETURN_FALSE;
+    if (n < 2) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (id_value(items[i]) < 0)
+                Py_RETURN_FALSE;
+        Py_RETURN_TRUE;
+    }
+    size_t size = 4;
+    unsigned shift = 62; /* 64 - log2(size) */
+    while (size < (size_t)n * 2) {
+        size <<= 1;
+        shift--;
+    }
+    long long *table = PyMem_Malloc(size * sizeof(long long));
+    if (table == NULL)
+        return PyErr_NoMemory();
+    for (size_t i = 0; i < size; i++)
+        table[i] = -1; /* empty: no id is negative */
+    int distinct = 1;
+    for (Py_ssize_t i = 0; i < n && distinct; i++) {
+        long long v = id_value(items[i]);
+        if (v < 0) {
+            distinct = 0;
+            break;
+        }
+        size_t at = (size_t)(((unsigned long long)v * 0x9E3779B97F4A7C15ULL) >> shift);
+        while (table[at] != -1) {
+            if (table[at] == v) {
+                distinct = 0;
+                break;
+            }
+            at = (at + 1) & (size - 1);
+        }
+        table[at] = v;
+    }
+    PyMem_Free(table);
+    if (distinct)
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
 /* hashes_len(seq, max_len) -> int: the common length when seq is an exact tuple or list
  * of exact bytes, all of one length in 1..max_len (0 when empty); -1 otherwise. */
 static PyObject *hashes_len(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -165,6 +217,9 @@ static PyMethodDef scan_methods[] = {
     {"ids_max", (PyCFunction)ids_max, METH_O,
      "ids_max(seq) -> the largest item of a tuple/list/set/frozenset of exact ints in "
      "0..2**63-1 (0 when empty), else -1."},
+    {"ids_distinct", (PyCFunction)ids_distinct, METH_O,
+     "ids_distinct(seq) -> True when a tuple/list holds exact ints in 0..2**63-1, no two "
+     "equal; else False."},
     {"hashes_len", (PyCFunction)(void (*)(void))hashes_len, METH_FASTCALL,
      "hashes_len(seq, max_len) -> the common length of a tuple/list of exact bytes, all "
      "of one length in 1..max_len (0 when empty), else -1."},

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcore._scan import ids_max
+from kvcore._scan import ids_distinct, ids_max
 from kvcore.spec.errors import BlockIdError, DuplicateRequestError, HashError
 from kvcore.spec.hooks import StepInput
 from kvcore.spec.types import GroupKind, OffloadConfig
@@ -56,8 +56,9 @@ def check_tables(cfg: OffloadConfig, where: str, name: str,
                                f"1..{limit - 1}: a FULL group holds no null block",
                                "pass the real block id; only SLIDING and MAMBA groups "
                                "may pad positions they never read with 0", group)
-        # The C-level set test first: the position is looked for only when there is one.
-        if len(set(ids)) != len(ids) and (at := _first_repeat(ids)) is not None:
+        # The C test first (no Python set of the ids): the position is looked for only
+        # when it finds a repeat (or declines items the hook types refuse).
+        if not ids_distinct(ids) and (at := _first_repeat(ids)) is not None:
             # One block at two positions: a store would save one chunk's bytes under
             # several chunks' keys. Checked within the ids given (not the whole table:
             # that would cost O(context) a step).

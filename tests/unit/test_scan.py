@@ -121,6 +121,16 @@ def test_ids_max_vouches_exactly_for_exact_nonnegative_ints(seq: Any) -> None:
 
 
 @settings(max_examples=400)
+@given(st.one_of(_containers(ID_ITEMS),
+                 st.lists(st.integers(0, 40), max_size=200).map(tuple),
+                 st.lists(st.integers(0, 2**63 - 1), max_size=50)))
+def test_ids_distinct_vouches_exactly_for_distinct_exact_nonnegative_ints(seq: Any) -> None:
+    """Small ranges make repeats common, large ones make the table's probing collide."""
+    fine = ids_definition(seq) >= 0 and type(seq) in (tuple, list)
+    assert _scan.ids_distinct(seq) is (fine and len(set(seq)) == len(seq))
+
+
+@settings(max_examples=400)
 @given(_containers(HASH_ITEMS), st.sampled_from([1, 32, 64, 68]))
 def test_hashes_len_vouches_exactly_for_exact_bytes_of_one_length(seq: Any,
                                                                   max_len: int) -> None:
@@ -138,6 +148,11 @@ def test_scans_on_their_edges() -> None:
     assert _scan.ids_max(frozenset({7, 9, 1})) == 9
     assert _scan.ids_max({3, 2**63}) == -1
     assert _scan.ids_max(SubFrozenSet({3})) == -1
+    assert _scan.ids_distinct(()) is _scan.ids_distinct((5,)) is True
+    assert _scan.ids_distinct((True,)) is _scan.ids_distinct(frozenset({1, 2})) is False
+    assert _scan.ids_distinct(tuple(range(1, 20000))) is True
+    assert _scan.ids_distinct((*range(1, 20000), 19999)) is False  # the last item repeats
+    assert _scan.ids_distinct((0, 2**63 - 1, 0)) is False
     assert _scan.hashes_len((b"ab", b"cd"), 2) == 2
     assert _scan.hashes_len((b"ab", b"cd"), 1) == -1
     assert _scan.hashes_len((b"ab", b"c"), 64) == -1
