@@ -224,8 +224,9 @@ class ScheduledRequest:
             object.__setattr__(self, "new_block_ids",
                                check_id_tables(where, "new_block_ids", ids))
         h = self.new_hashes
-        if h != () and not (type(h) is tuple and (
-                _scan_bytes(h, MAX_HASH_BYTES) > 0
+        # Type first: ``h != ()`` would ask a tuple subclass's own __ne__, which may lie.
+        if not (type(h) is tuple and (
+                not h or _scan_bytes(h, MAX_HASH_BYTES) > 0
                 or (set(map(type, h)) <= _BYTES and len(set(map(len, h))) == 1
                     and 0 < len(h[0]) <= MAX_HASH_BYTES))):
             object.__setattr__(self, "new_hashes", check_hashes(where, "new_hashes", h))

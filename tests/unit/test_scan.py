@@ -8,10 +8,13 @@ items and containers; the hook values built with the scans must equal, or fail e
 as, the ones built by the Python checks alone; and kvcore must have installed them.
 
 Mutants these kill: ``PyLong_Check`` for ``PyLong_CheckExact`` (a bool or an int subclass
-vouched for), ``v <= 0`` for ``v < 0`` (id 0 refused), a dropped overflow test (2**64
-read as -1 or wrapped), ``PyBytes_Check`` for the exact test, a length compared only with
-the first item's bound, a tuple subclass read through its C items, ``> 0`` for ``>= 0``
-where the hooks read a scan's answer, and ``kvcore/__init__`` not installing the scans.
+vouched for), ``v <= 0`` for ``v < 0`` (id 0 refused), ``PyLong_AsLongLong`` for the
+overflow-aware read (2**64 wrapped or an error left set), ``PyBytes_Check`` for the exact
+test on the first item or on the later ones (the fixed cases put a subclass second), a
+length compared only with the first item's bound, a tuple subclass read through its C
+items, ``ids_distinct`` missing a repeat, ``> 0`` for ``>= 0`` where the hooks read a
+scan's answer, and ``kvcore/__init__`` not installing the scans. (Dropping the overflow
+flag's test alone is equivalent: an overflowed read is -1, which ``v < 0`` refuses.)
 """
 
 from __future__ import annotations
@@ -158,6 +161,12 @@ def test_scans_on_their_edges() -> None:
     assert _scan.hashes_len((b"ab", b"c"), 64) == -1
     assert _scan.hashes_len((b"a", b"cd"), 64) == -1  # a later item longer than the first
     assert _scan.hashes_len((b"",), 64) == -1
+    # A refused item after a fine first one: Hypothesis seldom draws that order.
+    assert _scan.hashes_len((b"ab", SubBytes(b"cd")), 64) == -1
+    assert _scan.hashes_len((b"ab", bytearray(b"cd")), 64) == -1
+    assert _scan.hashes_len([b"ab", b"cd", memoryview(b"ef")], 64) == -1
+    assert _scan.ids_max((5, SubInt(3))) == -1
+    assert _scan.ids_max((5, 7, -1)) == -1
     assert _scan.hashes_len((), 64) == 0
     with pytest.raises(TypeError):
         _scan.hashes_len((b"a",))  # type: ignore[call-arg]
@@ -236,3 +245,18 @@ def test_allocated_ids_are_taken_or_refused_alike_with_and_without_the_scans(ids
     with python_checks_only():
         slow = _outcome(lambda: StepInput(allocated_ids=ids))
     assert fast == slow
+
+
+def test_new_hashes_are_checked_whatever_their_tuple_subclass_says() -> None:
+    """``h != ()`` asked the value's own __ne__: a tuple subclass saying it equals the
+    empty tuple skipped the hash check and a None hash got in (found by review)."""
+
+    class Liar(tuple):  # type: ignore[type-arg]
+        def __ne__(self, other: object) -> bool:
+            return False
+
+    with pytest.raises(KVCoreError):
+        ScheduledRequest("r", 1, 0, 1, (), Liar((5, None)))  # type: ignore[arg-type]
+    sr = ScheduledRequest("r", 1, 0, 1, (), Liar((b"h" * 32,)))  # type: ignore[arg-type]
+    assert type(sr.new_hashes) is tuple and sr.new_hashes == (b"h" * 32,)
+    assert ScheduledRequest("r", 1, 0, 1, (), Liar()).new_hashes == ()  # type: ignore[arg-type]
