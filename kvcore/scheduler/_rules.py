@@ -275,7 +275,7 @@ def store_shape(cfg: OffloadConfig) -> StoreShape:
 
 
 def quiet_cursors(shape: StoreShape, cursors: Sequence[int], frontier: int,
-                  storable: int) -> list[int] | None:
+                  storable: int, busy: list[int] | None = None) -> list[int] | None:
     """The cursors after a step in which no group has a chunk to offer, else None.
 
     Most decode steps of a layout with small window chunks (DeepSeek-V4's 4-token
@@ -286,6 +286,11 @@ def quiet_cursors(shape: StoreShape, cursors: Sequence[int], frontier: int,
     path, which also judges null blocks. The draft cap repeats ``store_end``'s (read from
     the precomputed shape, not the config); ``tests/unit/test_quiet_cursors.py`` holds
     the two to the same answers.
+
+    With a ``busy`` list, such a group is appended to it and keeps its cursor in the
+    answer instead of ending the scan, so that the caller runs the full offer for the
+    busy groups alone (``draft_store``'s ``only``): a DeepSeek-V4 decode store has one
+    group to offer and two more whose chunks the keep rule skips.
     """
     moved = list(cursors)
     for group, (tokens, draft, rule) in enumerate(shape):
@@ -295,13 +300,17 @@ def quiet_cursors(shape: StoreShape, cursors: Sequence[int], frontier: int,
         cursor = moved[group]
         if end <= cursor:
             continue
-        if rule is None or end - cursor >= rule[0]:
+        if rule is not None and end - cursor < rule[0]:
+            period, kept = rule
+            for chunk in range(cursor, end):
+                if chunk % period in kept:
+                    break
+            else:
+                moved[group] = end
+                continue
+        if busy is None:
             return None
-        period, kept = rule
-        for chunk in range(cursor, end):
-            if chunk % period in kept:
-                return None
-        moved[group] = end
+        busy.append(group)
     return moved
 
 

@@ -33,13 +33,19 @@ class StoreDraft:
 
 
 def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int,
-                stale: StaleWindows | None = None, storable: int | None = None) -> StoreDraft:
+                stale: StaleWindows | None = None, storable: int | None = None,
+                quiet: tuple[list[int], list[int]] | None = None) -> StoreDraft:
     """What ``req`` offers this step: candidates from each group's cursor to its end.
 
     Stale window positions among the candidates are zeroed first (``StaleWindows``; the
     scheduler always passes its own), so the offer skips them as null blocks. Without
     one, the tables are taken as they are (the store proofs' tables have no stale ids).
     ``storable`` is U when the caller has it already (``storable_prefix``).
+
+    ``quiet`` is ``quiet_cursors``' answer with its busy groups, (cursors, busy): only the
+    busy groups get the full offer, the others move to their quiet cursor with nothing
+    offered and no skip reasons (the scheduler passes it with checks off only: the
+    invariant records want every reason).
     """
     if storable is None:
         storable = storable_prefix(cfg, frontier, req.prompt_tokens, req.max_offload_tokens)
@@ -48,6 +54,9 @@ def draft_store(cfg: OffloadConfig, req: RequestState, frontier: int,
     cursors, tables = req.cursors, req.tables
     for group, g in enumerate(cfg.groups):
         cursor = cursors[group]
+        if quiet is not None and group not in quiet[1]:
+            offers.append(GroupOffer(cursor, quiet[0][group]))
+            continue
         end = storable // g.tokens_per_chunk
         if end <= cursor:
             # The common decode step: no chunk completed since the last store.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from kvcore._checks import checks_enabled, enforce
 from kvcore._scan import pack_ids
@@ -518,15 +518,22 @@ class OffloadScheduler:
         else:
             storable = storable_prefix(self.config, frontier, req.prompt_tokens,
                                        req.max_offload_tokens)
+        partial = None
         if not self.check:
             # Most decode steps complete no chunk, or only chunks the keep rule skips: no
             # offer, at most cursor moves, no records to check (with checks on the full
-            # path runs, to hand E1/E2 their records).
-            quiet = quiet_cursors(self._store_shape, req.cursors, frontier, storable)
-            if quiet is not None:
+            # path runs, to hand E1/E2 their records). Otherwise only the busy groups get
+            # the full offer.
+            busy: list[int] = []
+            # Given a busy list, quiet_cursors always answers a list.
+            quiet = cast("list[int]", quiet_cursors(self._store_shape, req.cursors, frontier,
+                                                    storable, busy))
+            if not busy:
                 req.cursors = quiet
                 return None
-        draft = _store.draft_store(self.config, req, frontier, self._stale, storable)
+            partial = (quiet, busy)
+        draft = _store.draft_store(self.config, req, frontier, self._stale, storable,
+                                   partial)
         if not draft.keys:
             self._move_cursors(req, draft)
             if self.check:

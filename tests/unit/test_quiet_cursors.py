@@ -86,3 +86,36 @@ def test_a_decode_step_that_completes_a_skipped_chunk_is_quiet() -> None:
     # chunk 3 completes (no keep rule): the full path.
     assert quiet_cursors(shape, [4, 15, 256, 128], 1024, 1024) == [4, 15, 256, 128]
     assert quiet_cursors(shape, [3, 14, 255, 127], 1024, 1024) is None
+
+
+def partial_agrees(cfg: OffloadConfig, frontier: int, storable: int,
+                   cursors: list[int]) -> None:
+    """With a busy list, only the busy groups get the full offer: the same keys and the
+    same cursors afterwards as the full path."""
+    busy: list[int] = []
+    moved = quiet_cursors(store_shape(cfg), cursors, frontier, storable, busy)
+    assert moved is not None
+    full = draft_store(cfg, request(cfg, frontier, cursors), frontier, None, storable)
+    part = draft_store(cfg, request(cfg, frontier, cursors), frontier, None, storable,
+                       (moved, busy))
+    assert part.keys == full.keys
+    assert [o.offered for o in part.offers] == [o.offered for o in full.offers]
+    assert ([max(c, o.new_cursor) for c, o in zip(cursors, part.offers, strict=True)]
+            == [max(c, o.new_cursor) for c, o in zip(cursors, full.offers, strict=True)])
+    assert (not busy) == (not full.keys)
+
+
+@given(st.sampled_from(sorted(PRESETS)).flatmap(
+    lambda name: st.tuples(st.just(preset(name)), steps(preset(name)))))
+@example((preset("deepseek-v4-mtp"), (1020, 1020, [3, 14, 253, 127])))  # one busy group
+def test_a_partial_offer_agrees_with_the_full_one_on_every_preset(
+        case: tuple[OffloadConfig, tuple[int, int, list[int]]]) -> None:
+    cfg, (frontier, storable, cursors) = case
+    partial_agrees(cfg, frontier, storable, cursors)
+
+
+@given(configs().flatmap(lambda cfg: st.tuples(st.just(cfg), steps(cfg))))
+def test_a_partial_offer_agrees_with_the_full_one_on_any_layout(
+        case: tuple[OffloadConfig, tuple[int, int, list[int]]]) -> None:
+    cfg, (frontier, storable, cursors) = case
+    partial_agrees(cfg, frontier, storable, cursors)
