@@ -198,14 +198,11 @@ static PyObject *pack_ids(PyObject *self, PyObject *seq)
         return NULL;
     int *dst = (int *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = items[i];
-        int overflow = 0;
-        long long v = PyLong_CheckExact(x) ? PyLong_AsLongLongAndOverflow(x, &overflow) : -1;
-        if (!PyLong_CheckExact(x) || overflow != 0 || v < 0 || v > INT_MAX) {
+        long long v = id_value(items[i]);
+        if (v < 0 || v > INT_MAX) {
             Py_DECREF(out);
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_ValueError,
-                             "pack_ids: item %zd is not an int in 0..%d", i, INT_MAX);
+            PyErr_Format(PyExc_ValueError,
+                         "pack_ids: item %zd is not an int in 0..%d", i, INT_MAX);
             return NULL;
         }
         dst[i] = (int)v;

@@ -289,7 +289,7 @@ def quiet_cursors(shape: StoreShape, cursors: Sequence[int], frontier: int,
 
     With a ``busy`` list, such a group is appended to it and keeps its cursor in the
     answer instead of ending the scan, so that the caller runs the full offer for the
-    busy groups alone (``draft_store``'s ``only``): a DeepSeek-V4 decode store has one
+    busy groups alone (``draft_store``'s ``quiet``): a DeepSeek-V4 decode store has one
     group to offer and two more whose chunks the keep rule skips.
     """
     moved = list(cursors)

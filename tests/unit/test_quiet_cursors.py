@@ -47,47 +47,6 @@ def agree(cfg: OffloadConfig, frontier: int, storable: int, cursors: list[int]) 
         assert quiet == full
 
 
-@st.composite
-def steps(draw: st.DrawFn, cfg: OffloadConfig) -> tuple[int, int, list[int]]:
-    frontier = draw(st.integers(0, 1200))
-    storable = draw(st.integers(0, frontier))
-    cursors = [draw(st.integers(0, frontier // g.tokens_per_chunk + 1)) for g in cfg.groups]
-    return frontier, storable, cursors
-
-
-@given(st.sampled_from(sorted(PRESETS)).flatmap(
-    lambda name: st.tuples(st.just(preset(name)), steps(preset(name)))))
-@example((preset("deepseek-v4-mtp"), (1016, 1016, [3, 14, 253, 127])))  # skipped chunk
-@example((preset("deepseek-v4-mtp"), (1020, 1020, [3, 14, 253, 127])))  # then a kept one
-@example((preset("deepseek-v4-mtp"), (1024, 1024, [3, 14, 189, 127])))  # a whole segment
-def test_the_fast_path_agrees_with_the_offer_on_every_preset(
-        case: tuple[OffloadConfig, tuple[int, int, list[int]]]) -> None:
-    cfg, (frontier, storable, cursors) = case
-    agree(cfg, frontier, storable, cursors)
-
-
-@given(configs().flatmap(lambda cfg: st.tuples(st.just(cfg), steps(cfg))))
-def test_the_fast_path_agrees_with_the_offer_on_any_layout(
-        case: tuple[OffloadConfig, tuple[int, int, list[int]]]) -> None:
-    cfg, (frontier, storable, cursors) = case
-    agree(cfg, frontier, storable, cursors)
-
-
-def test_a_decode_step_that_completes_a_skipped_chunk_is_quiet() -> None:
-    """DeepSeek-V4: the 4-token compressor state keeps offsets 62 and 63 of each 64-chunk
-    segment. At 1016 tokens its chunk 253 (offset 61) completed: quiet, and only that
-    group's cursor moves (the draft window group stays one chunk behind V). At 1020 chunk
-    254 (offset 62) completed too: the full path must run."""
-    shape = store_shape(preset("deepseek-v4-mtp"))
-    assert quiet_cursors(shape, [3, 14, 253, 127], 1016, 1016) == [3, 14, 254, 127]
-    assert quiet_cursors(shape, [3, 14, 253, 127], 1020, 1020) is None
-    # The draft group: V = 1024 completes its 64-token chunk 15, which it may not store
-    # until chunk 16 is complete too, so nothing moves; from cursor 3 the full-attention
-    # chunk 3 completes (no keep rule): the full path.
-    assert quiet_cursors(shape, [4, 15, 256, 128], 1024, 1024) == [4, 15, 256, 128]
-    assert quiet_cursors(shape, [3, 14, 255, 127], 1024, 1024) is None
-
-
 def partial_agrees(cfg: OffloadConfig, frontier: int, storable: int,
                    cursors: list[int]) -> None:
     """With a busy list, only the busy groups get the full offer: the same keys and the
@@ -105,17 +64,44 @@ def partial_agrees(cfg: OffloadConfig, frontier: int, storable: int,
     assert (not busy) == (not full.keys)
 
 
+@st.composite
+def steps(draw: st.DrawFn, cfg: OffloadConfig) -> tuple[int, int, list[int]]:
+    frontier = draw(st.integers(0, 1200))
+    storable = draw(st.integers(0, frontier))
+    cursors = [draw(st.integers(0, frontier // g.tokens_per_chunk + 1)) for g in cfg.groups]
+    return frontier, storable, cursors
+
+
 @given(st.sampled_from(sorted(PRESETS)).flatmap(
     lambda name: st.tuples(st.just(preset(name)), steps(preset(name)))))
-@example((preset("deepseek-v4-mtp"), (1020, 1020, [3, 14, 253, 127])))  # one busy group
-def test_a_partial_offer_agrees_with_the_full_one_on_every_preset(
+@example((preset("deepseek-v4-mtp"), (1016, 1016, [3, 14, 253, 127])))  # skipped chunk
+@example((preset("deepseek-v4-mtp"), (1020, 1020, [3, 14, 253, 127])))  # then a kept one
+@example((preset("deepseek-v4-mtp"), (1024, 1024, [3, 14, 189, 127])))  # a whole segment
+def test_the_fast_path_agrees_with_the_offer_on_every_preset(
         case: tuple[OffloadConfig, tuple[int, int, list[int]]]) -> None:
     cfg, (frontier, storable, cursors) = case
+    agree(cfg, frontier, storable, cursors)
     partial_agrees(cfg, frontier, storable, cursors)
 
 
 @given(configs().flatmap(lambda cfg: st.tuples(st.just(cfg), steps(cfg))))
-def test_a_partial_offer_agrees_with_the_full_one_on_any_layout(
+def test_the_fast_path_agrees_with_the_offer_on_any_layout(
         case: tuple[OffloadConfig, tuple[int, int, list[int]]]) -> None:
     cfg, (frontier, storable, cursors) = case
+    agree(cfg, frontier, storable, cursors)
     partial_agrees(cfg, frontier, storable, cursors)
+
+
+def test_a_decode_step_that_completes_a_skipped_chunk_is_quiet() -> None:
+    """DeepSeek-V4: the 4-token compressor state keeps offsets 62 and 63 of each 64-chunk
+    segment. At 1016 tokens its chunk 253 (offset 61) completed: quiet, and only that
+    group's cursor moves (the draft window group stays one chunk behind V). At 1020 chunk
+    254 (offset 62) completed too: the full path must run."""
+    shape = store_shape(preset("deepseek-v4-mtp"))
+    assert quiet_cursors(shape, [3, 14, 253, 127], 1016, 1016) == [3, 14, 254, 127]
+    assert quiet_cursors(shape, [3, 14, 253, 127], 1020, 1020) is None
+    # The draft group: V = 1024 completes its 64-token chunk 15, which it may not store
+    # until chunk 16 is complete too, so nothing moves; from cursor 3 the full-attention
+    # chunk 3 completes (no keep rule): the full path.
+    assert quiet_cursors(shape, [4, 15, 256, 128], 1024, 1024) == [4, 15, 256, 128]
+    assert quiet_cursors(shape, [3, 14, 255, 127], 1024, 1024) is None
