@@ -18,12 +18,13 @@ writes one to disk. It reads source files by path, so kvcore's layout (``spec/``
 as ``kvcore.spec``, a cffi extension in ``kvcore/``) does not matter to it. Three things it
 does not do are done here: (1) sampling, seeded, from a chosen set of its operators (its
 full set has 3,000+ mutants here, most of them ``a + b -> a << b`` swaps that any test
-kills by crashing); (2) C: a few textual operator mutations inside the validation
-functions of ``native/kvcore_copy.c`` (those whose name contains ``check`` or
-``validate``), rebuilt per mutant with the project's own cffi build; (3) the two runners
-and the rule for (b). mutmut 3 was the other candidate; it runs the tests from a copied
-``mutants/`` tree through per-function trampolines and has no C at all, so the copy-and-
-build part would have been needed anyway.
+kills by crashing); (2) C: textual operator mutations on the ``if`` lines of the
+validation functions of ``native/kvcore_copy.c`` (those whose name contains ``check`` or
+``validate``), rebuilt per mutant with the project's own cffi build, and of every function
+of ``native/kvcore_scan.c`` (the hook-input scans, compiled straight into the copy's
+``kvcore/_scan*.so``); (3) the two runners and the rule for (b). mutmut 3 was the other
+candidate; it runs the tests from a copied ``mutants/`` tree through per-function
+trampolines and has no C at all, so the copy-and-build part would have been needed anyway.
 
 The copy: tracked and unignored files plus the built ``kvcore/*.so`` (the copy library and
 the C scans of hook inputs), with ``kvcore/spec`` and ``kvcore/proofs`` linked to ``spec/``
@@ -43,6 +44,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,6 +55,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # the manager needed it too; it stays in the population.
 PY_TARGETS = ("kvcore/scheduler", "kvcore/manager", "kvcore/transfer", "kvcore/_checks.py")
 C_TARGET = "native/kvcore_copy.c"
+# The C scans of hook inputs (kvcore._scan): every function is validation, and an `if`
+# there is often braceless (`if (v < 0)` on its own line).
+SCAN_TARGET = "native/kvcore_scan.c"
 # cosmic-ray operators kept, by family (the names are cosmic-ray's).
 FAMILIES = {
     "boundary": ["Lt_LtE", "LtE_Lt", "Gt_GtE", "GtE_Gt"],
@@ -163,35 +168,62 @@ def c_functions(text: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def c_mutants(tree: Path) -> list[Mutant]:
-    """Operator swaps, negations and removals on the `if` lines of the validation functions."""
-    text = (tree / C_TARGET).read_text()
+def scan_functions(text: str) -> list[tuple[int, int]]:
+    """Line ranges of every function of the scan extension but the module's init."""
     lines = text.splitlines()
+    ranges: list[tuple[int, int]] = []
+    for i, line in enumerate(lines):
+        if re.match(r"^static [^=;]*\b\w+\([^;]*\)$", line):
+            end = next(j for j in range(i, len(lines)) if lines[j].startswith("}"))
+            ranges.append((i + 1, end + 1))
+    return ranges
+
+
+def c_mutants(tree: Path) -> list[Mutant]:
+    """Operator swaps, negations and removals on the `if` lines of the validation functions
+    (the copy library's) and of the hook-input scans (all of them)."""
     out: list[Mutant] = []
-    for start, end in c_functions(text):
-        for n in range(start, end + 1):
-            line = lines[n - 1]
-            m = re.match(r"^(\s*if \()(.*)(\) \{)$", line)
-            if not m:
-                continue
-            cond = m.group(2)
-            variants: list[tuple[str, str]] = []
-            for old, new in C_SWAPS:
-                for pos in [k.start() for k in re.finditer(re.escape(old), cond)]:
-                    variants.append((f"{old.strip()}->{new.strip()}",
-                                     cond[:pos] + new + cond[pos + len(old):]))
-            for pattern, new in C_SINGLE:
-                for k in pattern.finditer(cond):
-                    variants.append((f"{k.group(0)}->{new}",
-                                     cond[:k.start()] + new + cond[k.end():]))
-            variants.append(("negate", f"!({cond})"))
-            variants.append(("remove-check", f"0 && ({cond})"))
-            for op, new_cond in variants:
-                family = "remove" if op == "remove-check" else "negate" if op == "negate" \
-                    else "c-op"
-                out.append(Mutant("", C_TARGET, n, family, op, before=line.strip(),
-                                  after=f"{m.group(1)}{new_cond}{m.group(3)}".strip()))
+    for path, functions, if_line in (
+            (C_TARGET, c_functions, r"^(\s*if \()(.*)(\) \{)$"),
+            (SCAN_TARGET, scan_functions, r"^(\s*if \()(.*)(\)(?: \{)?)$")):
+        text = (tree / path).read_text()
+        lines = text.splitlines()
+        for start, end in functions(text):
+            for n in range(start, end + 1):
+                m = re.match(if_line, lines[n - 1])
+                if m:
+                    out += _if_mutants(path, n, lines[n - 1], m)
     return out
+
+
+def _if_mutants(path: str, n: int, line: str, m: re.Match[str]) -> list[Mutant]:
+    cond = m.group(2)
+    variants: list[tuple[str, str]] = []
+    for old, new in C_SWAPS:
+        for pos in [k.start() for k in re.finditer(re.escape(old), cond)]:
+            variants.append((f"{old.strip()}->{new.strip()}",
+                             cond[:pos] + new + cond[pos + len(old):]))
+    for pattern, new in C_SINGLE:
+        for k in pattern.finditer(cond):
+            variants.append((f"{k.group(0)}->{new}", cond[:k.start()] + new + cond[k.end():]))
+    variants.append(("negate", f"!({cond})"))
+    variants.append(("remove-check", f"0 && ({cond})"))
+    out = []
+    for op, new_cond in variants:
+        family = "remove" if op == "remove-check" else "negate" if op == "negate" else "c-op"
+        out.append(Mutant("", path, n, family, op, before=line.strip(),
+                          after=f"{m.group(1)}{new_cond}{m.group(3)}".strip()))
+    return out
+
+
+def build_scan(tree: Path, opts: Options) -> subprocess.CompletedProcess[str]:
+    """Compile the scan extension in place with setup.py's flags (-O2 -Wall); calling the
+    compiler directly takes a second, setup.py would rebuild the copy library too."""
+    paths = sysconfig.get_paths()
+    out = tree / "kvcore" / f"_scan{sysconfig.get_config_var('EXT_SUFFIX')}"
+    cc = (sysconfig.get_config_var("CC") or "cc").split()
+    return run([*cc, "-shared", "-fPIC", "-O2", "-Wall", f"-I{paths['include']}",
+                SCAN_TARGET, "-o", str(out)], tree, env=opts.env, timeout=600)
 
 
 def run(cmd: list[str], cwd: Path, *, check: bool = False, timeout: float | None = None,
@@ -208,11 +240,13 @@ def apply_mutant(tree: Path, m: Mutant, opts: Options) -> bool:
     """Write the mutant into the copy; False when it does not change the file or build."""
     target = tree / m.path
     original = target.read_bytes()
-    if m.path == C_TARGET:
+    if m.path in (C_TARGET, SCAN_TARGET):
         lines = original.decode().splitlines(keepends=True)
         indent = lines[m.line - 1][: len(lines[m.line - 1]) - len(lines[m.line - 1].lstrip())]
         lines[m.line - 1] = indent + m.after + "\n"
         target.write_text("".join(lines))
+        if m.path == SCAN_TARGET:
+            return build_scan(tree, opts).returncode == 0
         built = run([opts.python, "native/build_native.py"], tree, env=opts.env, timeout=600)
         return built.returncode == 0
     run([str(opts.cosmic_ray), "apply", m.path, f"core/{m.operator}", str(m.occurrence)], tree)
@@ -278,7 +312,7 @@ def evaluate(tree: Path, m: Mutant, opts: Options, base: dict[str, float]) -> No
     """Apply one mutant, run the runners, restore the copy (and the built extension)."""
     target = tree / m.path
     original = target.read_bytes()
-    so_files = {p: p.read_bytes() for p in (tree / "kvcore").glob("_kvcore_native*.so")}
+    so_files = {p: p.read_bytes() for p in (tree / "kvcore").glob("*.so")}
     start = time.monotonic()
     try:
         if not apply_mutant(tree, m, opts):
