@@ -237,6 +237,38 @@ def test_inconsistent_regions_are_refused() -> None:
         RegionTable([replace(ok, base=1.5)])  # type: ignore[arg-type]
 
 
+def test_region_checks_at_their_exact_edges() -> None:
+    """Each region rule one step either side of its edge, C against the reference.
+
+    The random tables rarely land on 2**64 exactly, and an off-by-one there decides between
+    refusing a legal region and accepting one whose row arithmetic wraps. Kills the
+    mutants of ``kvc_check_region`` that survived the hostile and random tests: ``>=`` for
+    ``>`` in the base-plus-size overflow test, ``num_rows >= 1`` for ``> 1`` (a single row
+    may be wider than the stride: there is no second row), and the overflow test on
+    ``(num_rows - 1) * stride`` dropped or inverted (the product then wraps to 0 and the
+    extent test passes).
+    """
+    arena = Arena(7)
+    pools = [arena.region(0, 64, 64, 4), arena.region(1024, 64, 64, 4)]
+    desc = (0, 1, 0, 1, 2, 0, 64)
+    cases = [
+        (Region(U64 - 64, 64, 64, 64, 0), None),  # ends exactly at 2**64 - 1
+        (Region(U64 - 63, 64, 64, 64, 0), Status.E_OVERFLOW),  # one byte past it
+        (arena.region(2048, 32, 64, 1), None),  # one row, wider than the stride
+        (arena.region(2048, 32, 64, 2, size=96), Status.E_REGION),  # a second row overlaps
+        # (2**32 rows past the first) * 2**32 bytes = 2**64: wraps to 0 unless refused.
+        (Region(arena.base + 2048, 64, 1 << 32, 64, (1 << 32) + 1), Status.E_OVERFLOW),
+        # One row fewer: the last row starts at 2**64 - 2**32, inside a region that ends
+        # at 2**64 - 1 (never addressed: only its shape is checked).
+        (Region(4096, U64 - 4096, 1 << 32, 64, 1 << 32), None),
+    ]
+    for region, status in cases:
+        error = run_and_check(arena, [*pools, region], [desc])
+        assert (None if error is None else error.code) == status, (region, error)
+        if error is not None:
+            assert error.descriptor_index is None, (region, error)
+
+
 def test_concurrent_copies_from_several_threads() -> None:
     """No shared state in C: threads copying into disjoint rows all land their bytes."""
     src = torch.randint(0, 256, (64, 4096), dtype=torch.uint8)
