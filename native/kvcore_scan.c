@@ -45,11 +45,9 @@ static long long id_value(PyObject *x)
         return -1;
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-    if (overflow != 0 || v < 0) {
-        PyErr_Clear(); /* an exact int raises nothing here; be certain none is left set */
-        return -1;
-    }
-    return v;
+    /* An int beyond the long long range comes back as -1 with overflow set and no
+     * exception (an exact int raises nothing here), so the sign alone decides. */
+    return v < 0 ? -1 : v;
 }
 
 /* ids_max(seq) -> int: the largest item when seq is an exact tuple, list, set or frozenset

@@ -269,6 +269,21 @@ def test_region_checks_at_their_exact_edges() -> None:
             assert error.descriptor_index is None, (region, error)
 
 
+def test_a_copy_may_end_exactly_where_it_starts_reading() -> None:
+    """One descriptor's source and destination in one row: touching is legal, one shared
+    byte is an overlap. Kills ``<=`` for either ``<`` of the self-overlap test in
+    ``kvc_check_desc`` (it refused an adjacent copy; the random tables never drew one)."""
+    arena = Arena(8)
+    rows = [arena.region(0, 128, 128, 2)]
+    cases = [((0, 0, 0, 0, 0, 64, 64), None),  # source [0, 64), destination [64, 128)
+             ((0, 0, 64, 0, 0, 0, 64), None),  # the other way round
+             ((0, 0, 0, 0, 0, 63, 64), Status.E_OVERLAP),
+             ((0, 0, 63, 0, 0, 0, 64), Status.E_OVERLAP)]
+    for desc, status in cases:
+        error = run_and_check(arena, rows, [desc])
+        assert (None if error is None else error.code) == status, (desc, error)
+
+
 def test_concurrent_copies_from_several_threads() -> None:
     """No shared state in C: threads copying into disjoint rows all land their bytes."""
     src = torch.randint(0, 256, (64, 4096), dtype=torch.uint8)
