@@ -217,13 +217,17 @@ def _if_mutants(path: str, n: int, line: str, m: re.Match[str]) -> list[Mutant]:
 
 
 def build_scan(tree: Path, opts: Options) -> subprocess.CompletedProcess[str]:
-    """Compile the scan extension in place with setup.py's flags (-O2 -Wall); calling the
-    compiler directly takes a second, setup.py would rebuild the copy library too."""
-    paths = sysconfig.get_paths()
-    out = tree / "kvcore" / f"_scan{sysconfig.get_config_var('EXT_SUFFIX')}"
-    cc = (sysconfig.get_config_var("CC") or "cc").split()
-    return run([*cc, "-shared", "-fPIC", "-O2", "-Wall", f"-I{paths['include']}",
-                SCAN_TARGET, "-o", str(out)], tree, env=opts.env, timeout=600)
+    """Compile the scan extension in place with the flags setup.py uses (the interpreter's
+    CFLAGS and CCSHARED, which carry -DNDEBUG: without it CPython's header asserts stay
+    live and abort on a mutant the shipped build would run, a kill the tests did not
+    earn; then setup.py's -O2 -Wall). Calling the compiler directly takes a second;
+    setup.py would rebuild the copy library too."""
+    var = sysconfig.get_config_var
+    out = tree / "kvcore" / f"_scan{var('EXT_SUFFIX')}"
+    flags = [*(var("CFLAGS") or "").split(), *(var("CCSHARED") or "-fPIC").split()]
+    return run([*(var("CC") or "cc").split(), "-shared", *flags, "-O2", "-Wall",
+                f"-I{sysconfig.get_paths()['include']}", SCAN_TARGET, "-o", str(out)],
+               tree, env=opts.env, timeout=600)
 
 
 def run(cmd: list[str], cwd: Path, *, check: bool = False, timeout: float | None = None,

@@ -170,6 +170,15 @@ def test_scans_on_their_edges() -> None:
     assert _scan.hashes_len((), 64) == 0
     with pytest.raises(TypeError):
         _scan.hashes_len((b"a",))  # type: ignore[call-arg]
+    # The argument checks of hashes_len (a METH_FASTCALL function counts its own
+    # arguments): one too many must not be ignored, a max_len that is not an int must raise
+    # rather than leave an error set, and -1 is a legal (refusing) bound, not an error.
+    with pytest.raises(TypeError):
+        _scan.hashes_len((b"a",), 4, 5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        _scan.hashes_len((b"a",), "4")  # type: ignore[arg-type]
+    assert _scan.hashes_len((b"a",), -1) == -1
+    assert _scan.hashes_len((b"a", b"b"), 1) == 1  # one-byte hashes are hashes
 
 
 @settings(max_examples=200)
