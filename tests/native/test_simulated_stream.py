@@ -69,6 +69,37 @@ def test_jobs_fly_together_and_retire_in_order(monkeypatch: pytest.MonkeyPatch) 
     assert most[0] > 1
 
 
+def test_a_full_flight_waits_for_its_oldest_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that never advances on its own (a busy GPU): the flight fills to exactly
+    ``MAX_IN_FLIGHT`` jobs, then the worker blocks on the oldest before enqueueing the
+    next, and every job still lands and is reported in order. The seeded stand-in usually
+    advances at a query, so the flight seldom filled: blocking one job late (``>`` for
+    ``>=``) ran out of events on the ninth and survived every other test."""
+    most = [0]
+    record = _stream.SimulatedStream.event_record
+
+    def stalled(self: Any, event: int) -> bool:
+        self._known(event, "querying")
+        return bool(self._passed(event))
+
+    def counting(self: Any, event: int, stream: int) -> None:
+        record(self, event, stream)
+        most[0] = max(most[0], len(self._pending))
+
+    monkeypatch.setattr(_stream.SimulatedStream, "event_done", stalled)
+    monkeypatch.setattr(_stream.SimulatedStream, "event_record", counting)
+    cfg = preset(DEFAULT)
+    gpu = [[torch.zeros((cfg.num_gpu_blocks, 8), dtype=torch.uint8)] for _ in cfg.groups]
+    with TransferEngine(cfg, gpu, simulate_stream=7) as engine:
+        for job in range(1, 3 * MAX_IN_FLIGHT):
+            engine.submit(_store(job, job, job % 4, len(cfg.groups)))
+        engine.drain()
+        results = engine.poll()
+    assert [r.job_id for r in results] == list(range(1, 3 * MAX_IN_FLIGHT))
+    assert all(r.success for r in results), [r for r in results if not r.success][:1]
+    assert most[0] == MAX_IN_FLIGHT
+
+
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "3", 1 << 64])
 def test_a_bad_seed_is_refused_naming_it(bad: object) -> None:
     cfg = preset(DEFAULT)

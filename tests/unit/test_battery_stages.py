@@ -349,3 +349,20 @@ def test_every_stage_reproducer_is_a_command_that_runs(
         done = subprocess.run(["bash", "-c", command], env=env, capture_output=True,
                               text=True, timeout=600, cwd=tmp_path)
         assert done.returncode == 0, (stage, command, done.stderr[-2000:])
+
+
+def test_the_step_fence_feeds_f1_only_when_checking() -> None:
+    """Each ``build_step`` hands F1 its fence record with checks on, and builds none with
+    them off (the check-mode flag read the wrong way round left F1 at zero evaluations
+    in a checked run, and paid for it in an unchecked one)."""
+    from kvcore.sim import Simulator
+    config = preset(DEFAULT)
+    counts = {}
+    for check in (True, False):
+        sim = Simulator(config, _check.stage_options(0, config), check=check)
+        try:
+            sim.run()
+        finally:
+            sim.transfer.close()
+        counts[check] = sim.scheduler.checked.get("F1", 0)
+    assert counts[True] > 0 and counts[False] == 0, counts
