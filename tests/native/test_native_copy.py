@@ -245,8 +245,8 @@ def test_region_checks_at_their_exact_edges() -> None:
     mutants of ``kvc_check_region`` that survived the hostile and random tests: ``>=`` for
     ``>`` in the base-plus-size overflow test, ``num_rows >= 1`` for ``> 1`` (a single row
     may be wider than the stride: there is no second row), and the overflow test on
-    ``(num_rows - 1) * stride`` dropped or inverted (the product then wraps to 0 and the
-    extent test passes).
+    ``(num_rows - 1) * stride`` dropped or its ``!= 0`` flipped (the product then wraps to
+    0 and the extent test passes).
     """
     arena = Arena(7)
     pools = [arena.region(0, 64, 64, 4), arena.region(1024, 64, 64, 4)]
@@ -271,8 +271,9 @@ def test_region_checks_at_their_exact_edges() -> None:
 
 def test_a_copy_may_end_exactly_where_it_starts_reading() -> None:
     """One descriptor's source and destination in one row: touching is legal, one shared
-    byte is an overlap. Kills ``<=`` for either ``<`` of the self-overlap test in
-    ``kvc_check_desc`` (it refused an adjacent copy; the random tables never drew one)."""
+    byte is an overlap. Kills ``<=`` for the first ``<`` of the self-overlap test in
+    ``kvc_check_desc``, which refused an adjacent copy and survived the random tables (the
+    second one's ``<=`` they already caught; the reverse case pins it here too)."""
     arena = Arena(8)
     rows = [arena.region(0, 128, 128, 2)]
     cases = [((0, 0, 0, 0, 0, 64, 64), None),  # source [0, 64), destination [64, 128)
