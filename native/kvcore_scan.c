@@ -210,7 +210,91 @@ static PyObject *pack_ids(PyObject *self, PyObject *seq)
     return out;
 }
 
+/* suffixed(seq, suffix) -> list: each item + suffix, for an exact tuple or list of exact
+ * bytes and an exact bytes suffix; ValueError otherwise. A lookup derives a group's chunk
+ * keys a block at a time (hash + group suffix): 8,192 of them for a 128K-token Llama
+ * prompt, about 60 ns each as a Python concatenation. */
+static PyObject *suffixed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    if (nargs != 2 || !items_of(args[0], &items, &n) || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_ValueError, "suffixed(seq, suffix) takes a tuple or list of "
+                        "bytes and a bytes suffix");
+        return NULL;
+    }
+    const char *tail = PyBytes_AS_STRING(args[1]);
+    Py_ssize_t tail_len = PyBytes_GET_SIZE(args[1]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_CheckExact(items[i])) {
+            PyErr_Format(PyExc_ValueError, "suffixed: item %zd is not bytes", i);
+            return NULL;
+        }
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t len = PyBytes_GET_SIZE(items[i]);
+        if (len > PY_SSIZE_T_MAX - tail_len) {
+            Py_DECREF(out);
+            return PyErr_NoMemory();
+        }
+        PyObject *key = PyBytes_FromStringAndSize(NULL, len + tail_len);
+        if (key == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        memcpy(PyBytes_AS_STRING(key), PyBytes_AS_STRING(items[i]), (size_t)len);
+        memcpy(PyBytes_AS_STRING(key) + len, tail, (size_t)tail_len);
+        PyList_SET_ITEM(out, i, key);
+    }
+    return out;
+}
+
+/* same_tail(seq, n) -> bool: True when seq is an exact tuple or list of exact bytes, each
+ * at least n bytes long and ending with the first item's last n bytes (True when empty);
+ * False otherwise. The tier's touch routes a batch to one group's pool whole when every
+ * key carries one group suffix: the scheduler touches one group at a time. */
+static PyObject *same_tail(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "same_tail(seq, n) takes 2 arguments");
+        return NULL;
+    }
+    Py_ssize_t tail = PyLong_AsSsize_t(args[1]);
+    if (tail == -1 && PyErr_Occurred())
+        return NULL;
+    if (tail < 0) {
+        PyErr_SetString(PyExc_ValueError, "same_tail: n must be >= 0");
+        return NULL;
+    }
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    if (!items_of(args[0], &items, &n))
+        Py_RETURN_FALSE;
+    if (n == 0)
+        Py_RETURN_TRUE;
+    if (!PyBytes_CheckExact(items[0]) || PyBytes_GET_SIZE(items[0]) < tail)
+        Py_RETURN_FALSE;
+    const char *want = PyBytes_AS_STRING(items[0]) + PyBytes_GET_SIZE(items[0]) - tail;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_CheckExact(k) || PyBytes_GET_SIZE(k) < tail ||
+            memcmp(PyBytes_AS_STRING(k) + PyBytes_GET_SIZE(k) - tail, want, (size_t)tail) != 0)
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef scan_methods[] = {
+    {"suffixed", (PyCFunction)(void (*)(void))suffixed, METH_FASTCALL,
+     "suffixed(seq, suffix) -> [item + suffix for item in seq] for bytes items."},
+    {"same_tail", (PyCFunction)(void (*)(void))same_tail, METH_FASTCALL,
+     "same_tail(seq, n) -> True when every bytes item ends with the first one's last n "
+     "bytes."},
     {"ids_max", (PyCFunction)ids_max, METH_O,
      "ids_max(seq) -> the largest item of a tuple/list/set/frozenset of exact ints in "
      "0..2**63-1 (0 when empty), else -1."},

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
+from kvcore._scan import suffixed
 from kvcore.spec.plans import JobKind, TransferPlan
 from kvcore.spec.types import Key, OffloadConfig, make_key
 
@@ -137,9 +138,10 @@ class GroupKeys:
                 return [hashes[(i + 1) * hpc - 1] + suffix for i in range(start, stop, step)]
             if start >= stop:
                 return []
-            # Chunk ends are every hpc-th hash: strided slices, no index arithmetic.
-            return [h + suffix for h in hashes.strided((start + 1) * hpc - 1,
-                                                       stop * hpc, hpc * step)]
+            # Chunk ends are every hpc-th hash: strided slices, no index arithmetic; the
+            # keys are made in C (the hashes are exact bytes: ``check_hashes``).
+            return suffixed(hashes.strided((start + 1) * hpc - 1, stop * hpc, hpc * step),
+                            suffix)
         n = hashes.size // hpc
         at = index + n if index < 0 else index
         if not 0 <= at < n:

@@ -269,3 +269,53 @@ def test_new_hashes_are_checked_whatever_their_tuple_subclass_says() -> None:
     sr = ScheduledRequest("r", 1, 0, 1, (), Liar((b"h" * 32,)))  # type: ignore[arg-type]
     assert type(sr.new_hashes) is tuple and sr.new_hashes == (b"h" * 32,)
     assert ScheduledRequest("r", 1, 0, 1, (), Liar()).new_hashes == ()  # type: ignore[arg-type]
+
+
+def tail_definition(seq: object, n: int) -> bool:
+    """What ``same_tail`` vouches for, stated plainly."""
+    if type(seq) not in (tuple, list):
+        return False
+    items = list(seq)  # type: ignore[call-overload]
+    if not all(type(k) is bytes and len(k) >= n for k in items):
+        return False
+    return not items or all(k[len(k) - n:] == items[0][len(items[0]) - n:] for k in items)
+
+
+TAIL_ITEMS = st.one_of(
+    st.builds(lambda h, s: h + s, st.binary(max_size=6), st.sampled_from([b"\0\0", b"\0\1"])),
+    st.binary(max_size=3),
+    st.builds(SubBytes, st.binary(min_size=2, max_size=4)),
+    st.builds(bytearray, st.binary(max_size=4)),
+    st.text(max_size=2),
+)
+
+
+@settings(max_examples=400)
+@given(_containers(TAIL_ITEMS), st.sampled_from([0, 1, 2, 3]))
+def test_same_tail_vouches_exactly_for_one_suffix(seq: Any, n: int) -> None:
+    """The tier's touch sends a batch to one pool whole on this answer: True for keys of
+    two groups (the first item's tail alone compared, a short key read past its start)
+    would refresh one group's order with another's keys."""
+    assert _scan.same_tail(seq, n) is tail_definition(seq, n)
+
+
+@settings(max_examples=300)
+@given(_containers(HASH_ITEMS), st.binary(max_size=5))
+def test_suffixed_appends_or_refuses(seq: Any, suffix: bytes) -> None:
+    """A lookup's keys are made here: each must be exactly hash + suffix; anything but an
+    exact tuple or list of exact bytes is refused (a subclass, a bytearray, a str)."""
+    if type(seq) in (tuple, list) and all(type(h) is bytes for h in seq):
+        assert _scan.suffixed(seq, suffix) == [h + suffix for h in seq]
+    else:
+        with pytest.raises(ValueError):
+            _scan.suffixed(seq, suffix)
+
+
+def test_same_tail_and_suffixed_refuse_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        _scan.same_tail([b"ab"], -1)
+    with pytest.raises(TypeError):
+        _scan.same_tail([b"ab"])  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        _scan.suffixed([b"ab"], bytearray(b"x"))  # type: ignore[arg-type]
+    assert _scan.same_tail([b"xab", b"ab"], 2) and not _scan.same_tail([b"xab", b"b"], 2)
