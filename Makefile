@@ -23,7 +23,7 @@ SEED        ?= 0
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py native/build_native.py native/kvcore_copy.c native/kvcore_copy.h \
-          native/kvcore_scan.c
+          native/kvcore_scan.c native/kvcore_index.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"

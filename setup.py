@@ -25,6 +25,10 @@ def discovered_packages() -> list[str]:
 # kvcore._scan reads Python objects (exact ints, exact bytes), which cffi cannot hand to C,
 # so it is a plain CPython extension (native/kvcore_scan.c, no dependencies).
 SCAN = Extension("kvcore._scan", ["native/kvcore_scan.c"], extra_compile_args=["-O2", "-Wall"])
+# kvcore._index holds the CPU tier's keys inline (native/kvcore_index.c says why): a
+# CPython type, for the same reason.
+INDEX = Extension("kvcore._index", ["native/kvcore_index.c"],
+                  extra_compile_args=["-O2", "-Wall"])
 
 setup(packages=discovered_packages(), cffi_modules=["native/build_native.py:ffibuilder"],
-      ext_modules=[SCAN])
+      ext_modules=[SCAN, INDEX])

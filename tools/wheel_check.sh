@@ -53,8 +53,9 @@ echo "  $(basename "$wheel")"
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 native = [n for n in names if n.startswith("kvcore/_kvcore_native") and n.endswith(".so")]
-if not native:
-    sys.exit("wheel-check: FAILED: the wheel has no compiled kvcore/_kvcore_native*.so")
+for module in ("_kvcore_native", "_scan", "_index"):  # the copy library, the scans, the tier
+    if not any(n.startswith(f"kvcore/{module}") and n.endswith(".so") for n in names):
+        sys.exit(f"wheel-check: FAILED: the wheel has no compiled kvcore/{module}*.so")
 for want in ("kvcore/spec/INVARIANTS.md", "kvcore/proofs/README.md"):
     if want not in names:
         sys.exit(f"wheel-check: FAILED: the wheel lacks {want}")

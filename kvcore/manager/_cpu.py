@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
-from itertools import groupby, repeat
+from itertools import groupby
 from typing import NoReturn
 
 from kvcore._checks import checks_enabled, enforce
+from kvcore._index import KeyIndex
+from kvcore._scan import same_tail
 from kvcore.manager._arc import ARCPolicy
 from kvcore.manager._base import OffloadManager
 from kvcore.manager._capacity import check_config, cpu_capacities
@@ -88,13 +90,23 @@ def _bad_group(where: str, group: object) -> NoReturn:
                             "pass a group index (an int)")
 
 
-# A stored key's record is one int, ``slot << GROUP_BITS | group``, not an object: the
-# tier holds hundreds of thousands of keys, and an object per key made each of them a
-# container the cyclic garbage collector walks (a full collection over a 524K-key tier
-# took 0.33 s, a scheduler stall every few steps) and cost 56 bytes more per key. WRITING
-# keys and pin counts live beside it, holding only the keys they apply to.
+# A stored key's record is one int, ``slot << SLOT_SHIFT | group << 1 | writing``, not an
+# object: the tier holds hundreds of thousands of keys, and an object per key made each of
+# them a container the cyclic garbage collector walks (a full collection over a 524K-key
+# tier took 0.33 s, a scheduler stall every few steps) and cost 56 bytes more per key.
+# The records live in a ``KeyIndex`` (keys inline, native/kvcore_index.c), whose
+# ``flags`` reads a block of keys' MISS / HIT / PENDING from the low bit in one call. Pin
+# counts live beside it, holding only the pinned keys.
 GROUP_BITS = (MAX_GROUPS - 1).bit_length()
 GROUP_MASK = (1 << GROUP_BITS) - 1
+SLOT_SHIFT = GROUP_BITS + 1
+WRITING = 1
+# ``KeyIndex.flags`` codes, as statuses: 0 absent, 1 READY, 2 WRITING.
+_STATUS_OF = (Status.MISS, Status.HIT, Status.PENDING)
+
+
+def _group(record: int) -> int:
+    return record >> 1 & GROUP_MASK
 
 
 class CPUOffloadManager(OffloadManager):
@@ -132,8 +144,7 @@ class CPUOffloadManager(OffloadManager):
         # one int the other groups' pools are made at their first store.
         for group in range(1 if self._per_group is None else len(self._per_group)):
             self._pool(group)
-        self._entries: dict[Key, int] = {}  # key -> slot << GROUP_BITS | group
-        self._writing: set[Key] = set()  # stored keys whose write has not completed
+        self._entries = KeyIndex()  # key -> slot << SLOT_SHIFT | group << 1 | writing
         self._pins: dict[Key, int] = {}  # pinned keys -> pins (absent: not pinned)
         self._events: deque[ManagerEvent] = deque()
         self._event_keys = 0  # keys in ``_events``, less the ``_head_skip`` dropped ones
@@ -194,30 +205,30 @@ class CPUOffloadManager(OffloadManager):
     def lookup(self, key: Key) -> Status:
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
             check_key("lookup", key)
-        if key not in self._entries:
+        record = self._entries.get(key)
+        if record is None:
             return Status.MISS
-        return Status.PENDING if key in self._writing else Status.HIT
+        return Status.PENDING if record & WRITING else Status.HIT
 
     def lookup_many(self, keys: Sequence[Key]) -> list[Status]:
         """``lookup`` of each key, in one call (a lookup reads keys in blocks)."""
         check_keys("lookup_many", keys)
-        hit, pending, miss = Status.HIT, Status.PENDING, Status.MISS
-        entries, writing = self._entries, self._writing
-        return [miss if k not in entries else pending if k in writing else hit for k in keys]
+        return self._entries.read(keys, _STATUS_OF)
 
     def state_of(self, key: Key) -> str | None:
         """``"writing"``, ``"ready"``, ``"pinned"``, or None when absent."""
         check_key("state_of", key)
-        if key not in self._entries:
+        record = self._entries.get(key)
+        if record is None:
             return None
-        if key in self._writing:
+        if record & WRITING:
             return "writing"
         return "pinned" if key in self._pins else "ready"
 
     def slot_of(self, key: Key) -> int | None:
         check_key("slot_of", key)
         record = self._entries.get(key)
-        return None if record is None else record >> GROUP_BITS
+        return None if record is None else record >> SLOT_SHIFT
 
     def stats(self) -> ManagerStats:
         pools = self._pools.values()
@@ -245,9 +256,8 @@ class CPUOffloadManager(OffloadManager):
             return
         pools = self._pools
         # The scheduler touches one group at a time: when every key ends with the first
-        # key's group bytes (one C-level pass), the batch goes to that pool whole.
-        suffix = keys[0][-KEY_GROUP_BYTES:]
-        if all(map(bytes.endswith, keys, repeat(suffix))):
+        # key's group bytes (one C pass), the batch goes to that pool whole.
+        if same_tail(keys, KEY_GROUP_BYTES):
             pool = pools.get(key_group(keys[0]))
             if pool is not None:
                 pool.policy.touch(keys)
@@ -264,18 +274,20 @@ class CPUOffloadManager(OffloadManager):
         """Pin each key once per occurrence; all keys are validated before any is pinned,
         so a rejected call (KeyNotReadyError) leaves every pin count as it was."""
         check_keys("prepare_load", keys)
-        entries, writing, pins, pools = self._entries, self._writing, self._pins, self._pools
+        entries, pins, pools = self._entries, self._pins, self._pools
+        records: list[int] = []
         for key in keys:  # validate every key before pinning any
-            if key not in entries or key in writing:
-                raise KeyNotReadyError(key, "absent" if key not in entries else "writing")
+            record = entries.get(key)
+            if record is None or record & WRITING:
+                raise KeyNotReadyError(key, "absent" if record is None else "writing")
+            records.append(record)
         slots = []
-        for key in keys:
-            record = entries[key]
+        for key, record in zip(keys, records, strict=True):
             held = pins.get(key, 0)
             if held == 0:
-                pools[record & GROUP_MASK].pinned += 1
+                pools[_group(record)].pinned += 1
             pins[key] = held + 1
-            slots.append(record >> GROUP_BITS)
+            slots.append(record >> SLOT_SHIFT)
         return tuple(slots)
 
     def complete_load(self, keys: Sequence[Key]) -> None:
@@ -285,7 +297,8 @@ class CPUOffloadManager(OffloadManager):
         entries, pins = self._entries, self._pins
         for key, releases in Counter(keys).items():  # validate before releasing any
             held = pins.get(key, 0)
-            if key not in entries or key in self._writing or held < releases:
+            record = entries.get(key)
+            if record is None or record & WRITING or held < releases:
                 raise NotPinnedError(key, self.state_of(key) or "absent", held, releases)
         for key in keys:
             held = pins[key] - 1
@@ -293,7 +306,7 @@ class CPUOffloadManager(OffloadManager):
                 pins[key] = held
             else:
                 del pins[key]
-                self._pools[entries[key] & GROUP_MASK].pinned -= 1
+                self._pools[_group(entries[key])].pinned -= 1
 
     # -- stores ---------------------------------------------------------------------
 
@@ -353,14 +366,15 @@ class CPUOffloadManager(OffloadManager):
             return
         done: list[Key] = []
         groups: list[int] = []
-        entries, writing = self._entries, self._writing
+        entries = self._entries
         # A key listed twice is no longer WRITING the second time.
         for key in keys:
-            if key not in writing:
+            record = entries.get(key)
+            if record is None or not record & WRITING:
                 continue  # READY before this store, or absent: not this store's key
-            writing.remove(key)
+            entries[key] = record - WRITING
             done.append(key)
-            groups.append(entries[key] & GROUP_MASK)
+            groups.append(_group(record))
         if not done:
             return
         start = 0
@@ -376,16 +390,16 @@ class CPUOffloadManager(OffloadManager):
 
     def _fail_store(self, keys: Sequence[Key]) -> None:
         """A failed store's WRITING keys leave no trace (X1)."""
-        entries, writing = self._entries, self._writing
+        entries = self._entries
         for key in keys:
-            if key not in writing:
+            record = entries.get(key)
+            if record is None or not record & WRITING:
                 continue
-            writing.remove(key)
-            record = entries.pop(key)
-            pool = self._pools[record & GROUP_MASK]
+            del entries[key]
+            pool = self._pools[_group(record)]
             pool.writing -= 1
             pool.used -= 1
-            pool.free.append(record >> GROUP_BITS)
+            pool.free.append(record >> SLOT_SHIFT)
             pool.policy.discard(key)
 
     def take_events(self) -> list[ManagerEvent]:
@@ -398,7 +412,7 @@ class CPUOffloadManager(OffloadManager):
 
     def reset(self) -> None:
         """Forget every key and slot; the pools stay (empty), cumulative counters stay."""
-        self._entries, self._writing, self._pins = {}, set(), {}
+        self._entries, self._pins = KeyIndex(), {}
         for pool in self._pools.values():
             pool.next_fresh, pool.free = 0, []
             pool.used = pool.writing = pool.pinned = 0
@@ -420,10 +434,10 @@ class CPUOffloadManager(OffloadManager):
         entries, pools = self._entries, self._pools
         for key in victims:
             record = entries.pop(key)
-            pool = pools[record & GROUP_MASK]
-            pool.free.append(record >> GROUP_BITS)
+            pool = pools[_group(record)]
+            pool.free.append(record >> SLOT_SHIFT)
             pool.used -= 1
-            by_group.setdefault(record & GROUP_MASK, []).append(key)
+            by_group.setdefault(_group(record), []).append(key)
         for group, pool in pools.items():
             some = by_group.get(group)
             if some:
@@ -461,8 +475,7 @@ class CPUOffloadManager(OffloadManager):
         """A slot of ``group``'s pool (the key's group, read once by the caller)."""
         pool = self._pool(group)
         slot = pool.allocate()
-        self._entries[key] = slot << GROUP_BITS | group
-        self._writing.add(key)
+        self._entries[key] = slot << SLOT_SHIFT | group << 1 | WRITING
         pool.used += 1
         pool.writing += 1
         pool.policy.insert(key)

@@ -181,9 +181,9 @@ def test_tier_churn_names_a_ready_key_marked_again(monkeypatch: pytest.MonkeyPat
     from kvcore import _scenarios
     monkeypatch.setattr(CPUOffloadManager, "complete_store", mutated(
         CPUOffloadManager.complete_store,
-        "if key not in writing:\n            continue  # READY before this store, or absent: "
-        "not this store's key\n        writing.remove(key)",
-        "if key not in entries:\n            continue\n        writing.discard(key)"))
+        "if record is None or not record & WRITING:\n            continue  # READY before "
+        "this store, or absent: not this store's key\n        entries[key] = record - WRITING",
+        "if record is None:\n            continue\n        entries[key] = record & ~WRITING"))
     with pytest.raises(InvariantViolation, match="M2"):
         _scenarios.tier_churn(OffloadScheduler, preset(DEFAULT))
 

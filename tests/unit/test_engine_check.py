@@ -254,15 +254,16 @@ def test_a_stream_seed_past_64_bits_is_caught(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_key_type_check_inverted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: ``CPUOffloadManager.lookup``'s fast check reads ``type(key) is bytes``, so
-    a ``str`` or ``bytearray`` key of a key's length skips ``check_key`` and answers
-    MISS. The set-up stage asks every key-taking call with keys of the wrong type."""
+    a ``str`` key of a key's length skips ``check_key`` and reaches the tier's key index,
+    whose own type check raises a bare TypeError (before the index it answered MISS). The
+    set-up stage asks every key-taking call with keys of the wrong type and names it."""
     from refinement.test_refinement_mutants import mutated
 
     from kvcore.manager import _cpu
     monkeypatch.setattr(_cpu.CPUOffloadManager, "lookup", mutated(
         _cpu.CPUOffloadManager.lookup, "type(key) is not bytes", "type(key) is bytes"))
-    assert "a str key: accepted" in caught("A1", lambda: _enginecheck.run_setup(
-        preset(DEFAULT), {}))
+    assert "CPUOffloadManager.lookup: a str key: raised TypeError, not a kvcore error" in \
+        caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
 
 
 def test_job_zero_refused_by_job_in_flight_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
