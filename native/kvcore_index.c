@@ -24,8 +24,9 @@
  * word (the KeyIndex value, or the KeyOrder links), the hash, the key length, the key.
  * The stride fits the longest key stored so far (a tier's keys are all one length in
  * practice) and grows, with one copy, when a longer key arrives. Memory is bounded by
- * what is live: both arrays shrink when a quarter full, and at most 2**31 - 1 keys are
- * held. The hash is seeded per table from os.urandom, so colliding keys need the seed.
+ * what is live: both arrays shrink when a quarter full (the stride then fits the longest
+ * key left), and at most 2**31 - 1 keys are held. The hash is seeded per table from
+ * os.urandom and mixes by a full 128-bit product, so colliding keys need the seed.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -58,25 +59,43 @@ typedef struct {
 
 /* ---- the table ------------------------------------------------------------------- */
 
-/* A seeded 64-bit hash: 8-byte words folded by multiply-xorshift, then murmur3's fmix64,
- * so every input bit reaches the high half, which picks the home slot. */
+/* The 64x64-bit product's halves folded together (wyhash's mix): not linear in any bit
+ * of either side, unlike a multiply by a constant, which passes a flip of bit 63 through
+ * unchanged (review found a seed-independent family of colliding keys in that fold). */
+static inline uint64_t mum(uint64_t a, uint64_t b)
+{
+#if defined(__SIZEOF_INT128__)
+    __uint128_t r = (__uint128_t)a * b;
+    return (uint64_t)r ^ (uint64_t)(r >> 64);
+#else
+    uint64_t al = a & 0xFFFFFFFFu, ah = a >> 32, bl = b & 0xFFFFFFFFu, bh = b >> 32;
+    uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
+    uint64_t mid = (ll >> 32) + (lh & 0xFFFFFFFFu) + (hl & 0xFFFFFFFFu);
+    return ((ll & 0xFFFFFFFFu) | mid << 32) ^ (hh + (lh >> 32) + (hl >> 32) + (mid >> 32));
+#endif
+}
+
+/* A seeded 64-bit hash: each 8-byte word, masked with the seed, multiplied into the state
+ * by ``mum``, then murmur3's fmix64, so every input bit reaches the high half, which
+ * picks the home slot. A word that zeroes a product must equal the seed's mask, which a
+ * caller without the seed cannot aim at. */
 static uint64_t key_hash(uint64_t seed, const unsigned char *p, size_t len)
 {
-    uint64_t h = seed ^ (len * 0x9E3779B97F4A7C15ULL);
-    while (len >= 8) {
+    uint64_t mask = seed | 1, h = seed ^ 0x9E3779B97F4A7C15ULL;
+    size_t left = len;
+    while (left >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
-        h = (h ^ w) * 0xBF58476D1CE4E5B9ULL;
-        h ^= h >> 31;
+        h = mum(w ^ mask, h ^ 0xBF58476D1CE4E5B9ULL);
         p += 8;
-        len -= 8;
+        left -= 8;
     }
-    if (len) {
+    if (left) {
         uint64_t w = 0;
-        memcpy(&w, p, len);
-        h = (h ^ w) * 0xBF58476D1CE4E5B9ULL;
-        h ^= h >> 31;
+        memcpy(&w, p, left);
+        h = mum(w ^ mask, h ^ 0xBF58476D1CE4E5B9ULL);
     }
+    h ^= len;
     h ^= h >> 33;
     h *= 0xFF51AFD7ED558CCDULL;
     h ^= h >> 33;
@@ -200,7 +219,7 @@ static int resize_slots(Table *t, size_t count)
     return 1;
 }
 
-/* Room for `cap` entries (>= n) of `stride` bytes (>= the current stride). */
+/* Room for `cap` entries (>= n) of `stride` bytes (each live key fits it). */
 static int resize_dense(Table *t, size_t cap, size_t stride)
 {
     unsigned char *fresh;
@@ -332,9 +351,17 @@ static size_t table_remove(Table *t, size_t at, size_t *moved)
         *moved = last;
     }
     t->n = last;
-    /* Shrinking cannot fail the removal: a failed realloc keeps the larger arrays. */
-    if (t->cap > MIN_ENTRIES && t->n * 4 <= t->cap && !resize_dense(t, t->cap / 2, t->stride))
-        PyErr_Clear();
+    /* Shrinking cannot fail the removal: a failed realloc keeps the larger arrays. A
+     * shrink also fits the stride to the longest key still held (one long key, gone,
+     * must not widen every entry for good): O(n) at a halving, so amortized O(1). */
+    if (t->cap > MIN_ENTRIES && t->n * 4 <= t->cap) {
+        size_t longest = FIRST_KEY;
+        for (size_t i = 0; i < t->n; i++)
+            if (entry_at(t, i)[16] > longest)
+                longest = entry_at(t, i)[16];
+        if (!resize_dense(t, t->cap / 2, stride_for(longest)))
+            PyErr_Clear();
+    }
     if (t->mask + 1 > MIN_SLOTS && t->n * 8 <= t->mask + 1 &&
         !resize_slots(t, (t->mask + 1) / 2))
         PyErr_Clear();
@@ -546,10 +573,19 @@ static PyObject *ix_pop(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *ix_keys(KeyIndex *self, PyObject *unused)
 {
     (void)unused;
-    PyObject *out = PyList_New((Py_ssize_t)self->t.n);
+    size_t n = self->t.n;
+    PyObject *out = PyList_New((Py_ssize_t)n);
     if (out == NULL)
         return NULL;
-    for (size_t e = 0; e < self->t.n; e++) {
+    /* Allocating the list may run a garbage collection, and Python code there (a gc
+     * callback, a __del__) may change the index: refuse rather than read past the list.
+     * Nothing below runs Python code (bytes objects are not collected). */
+    if (self->t.n != n) {
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_RuntimeError, "KeyIndex changed while its keys were read");
+        return NULL;
+    }
+    for (size_t e = 0; e < n; e++) {
         PyObject *k = key_object(&self->t, e);
         if (k == NULL) {
             Py_DECREF(out);
@@ -800,6 +836,7 @@ static PyObject *ko_add_many(KeyOrder *self, PyObject *seq)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
+    uint64_t added = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(items[i]);
         size_t len = (size_t)PyBytes_GET_SIZE(items[i]);
@@ -809,12 +846,13 @@ static PyObject *ko_add_many(KeyOrder *self, PyObject *seq)
         Py_ssize_t e = table_add(t, p, len, h, 0);
         if (e < 0) { /* the keys before it stay added: each is a whole step */
             Py_DECREF(fast);
-            self->version++;
+            self->version += added;
             return NULL;
         }
         append_entry(self, (size_t)e);
+        added = 1;
     }
-    self->version++;
+    self->version += added; /* only a change ends a walk, as with an OrderedDict */
     Py_DECREF(fast);
     Py_RETURN_NONE;
 }
@@ -831,6 +869,7 @@ static PyObject *ko_touch(KeyOrder *self, PyObject *seq)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     Py_ssize_t found[WINDOW];
+    uint64_t moved = 0;
     /* Moving an entry relinks it but moves no slot, so a window's probes stay valid. */
     for (Py_ssize_t top = n - 1; top >= 0; top -= WINDOW) {
         Py_ssize_t m = top + 1 < WINDOW ? top + 1 : WINDOW;
@@ -842,10 +881,11 @@ static PyObject *ko_touch(KeyOrder *self, PyObject *seq)
             if (e != self->tail) {
                 unlink_entry(self, e);
                 append_entry(self, e);
+                moved = 1;
             }
         }
     }
-    self->version++;
+    self->version += moved;
     Py_DECREF(fast);
     Py_RETURN_NONE;
 }

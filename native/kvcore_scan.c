@@ -226,15 +226,25 @@ static PyObject *suffixed(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     const char *tail = PyBytes_AS_STRING(args[1]);
     Py_ssize_t tail_len = PyBytes_GET_SIZE(args[1]);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    /* Allocating the list may run a garbage collection, and Python code there may change
+     * the input: read its items again, after it. Nothing below runs Python code (bytes
+     * objects are not collected), so what is checked is what is copied. */
+    Py_ssize_t again = 0;
+    if (!items_of(args[0], &items, &again) || again != n) {
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_RuntimeError, "suffixed: the sequence changed while read");
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!PyBytes_CheckExact(items[i])) {
+            Py_DECREF(out);
             PyErr_Format(PyExc_ValueError, "suffixed: item %zd is not bytes", i);
             return NULL;
         }
     }
-    PyObject *out = PyList_New(n);
-    if (out == NULL)
-        return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t len = PyBytes_GET_SIZE(items[i]);
         if (len > PY_SSIZE_T_MAX - tail_len) {
