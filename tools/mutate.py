@@ -122,10 +122,11 @@ def copy_tree(dest: Path) -> None:
         if src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
-    built = sorted((ROOT / "kvcore").glob("*.so"))  # the copy library and the C scans
-    if not all(any(so.name.startswith(p) for so in built) for p in ("_kvcore_native", "_scan")):
-        sys.exit("mutate: kvcore/_kvcore_native*.so and kvcore/_scan*.so must both be built; "
-                 "run `make setup` first")
+    built = sorted((ROOT / "kvcore").glob("*.so"))  # the copy library, scans, tier tables
+    if not all(any(so.name.startswith(p) for so in built)
+               for p in ("_kvcore_native", "_scan", "_index")):
+        sys.exit("mutate: kvcore/_kvcore_native*.so, _scan*.so and _index*.so must all be "
+                 "built; run `make setup` first")
     for so in built:
         shutil.copy2(so, dest / "kvcore" / so.name)
     for name, folder in (("spec", "spec"), ("proofs", "proofs")):
