@@ -6,7 +6,7 @@
  * million bytes keys each probe is about three cache misses (the index slot, the entry,
  * the key object it compares), 300 ns a key on this class of machine, and a batch cannot
  * overlap them. Here the keys sit inline in one dense array and the index is 8 bytes a
- * slot, so a probe is two misses, and the batch calls (``KeyIndex.flags``,
+ * slot, so a probe is two misses, and the batch calls (``KeyIndex.read``,
  * ``KeyOrder.touch``) probe a window of keys in passes (hash and prefetch the slots,
  * prefetch the entries, compare), so the misses of a window overlap instead of queueing.
  *
@@ -427,12 +427,61 @@ static void probe_window(const Table *t, PyObject **items, Py_ssize_t m, Py_ssiz
     }
 }
 
-/* ---- KeyIndex: dict[bytes, int] -------------------------------------------------- */
+/* ---- the Python object both types are --------------------------------------------- */
 
+/* KeyIndex and KeyOrder both begin with this (KeyOrder adds its list ends), so the
+ * functions that need only the table are written once, over it. */
 typedef struct {
     PyObject_HEAD
     Table t;
-} KeyIndex;
+} TableObject;
+
+/* A new object of `type` with a seeded, empty table; `type->tp_basicsize` covers the
+ * type's own fields, which tp_alloc zeroes (so a failed init frees NULL arrays). */
+static PyObject *table_object_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes no arguments", type->tp_name);
+        return NULL;
+    }
+    TableObject *self = (TableObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    if (!table_seed(&self->t) || !table_init(&self->t)) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void table_object_dealloc(PyObject *self)
+{
+    PyMem_Free(((TableObject *)self)->t.slots);
+    PyMem_Free(((TableObject *)self)->t.dense);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static Py_ssize_t table_object_len(PyObject *self)
+{
+    return (Py_ssize_t)((TableObject *)self)->t.n;
+}
+
+static int table_object_contains(PyObject *self, PyObject *key)
+{
+    Py_ssize_t at = find_key(&((TableObject *)self)->t, key);
+    return at == -2 ? -1 : at >= 0;
+}
+
+static PyObject *table_object_sizeof(PyObject *self, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromSize_t((size_t)Py_TYPE(self)->tp_basicsize +
+                             table_bytes(&((TableObject *)self)->t));
+}
+
+/* ---- KeyIndex: dict[bytes, int] -------------------------------------------------- */
+
+typedef TableObject KeyIndex;
 
 /* The value as a uint64 when it is an exact int in 0..2**63-1; else an error and 0. */
 static int value_of(PyObject *v, uint64_t *out)
@@ -452,38 +501,6 @@ static int value_of(PyObject *v, uint64_t *out)
     }
     *out = (uint64_t)x;
     return 1;
-}
-
-static PyObject *ix_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s() takes no arguments", type->tp_name);
-        return NULL;
-    }
-    KeyIndex *self = (KeyIndex *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    /* tp_alloc zeroes the object: a failed init frees NULL arrays. */
-    if (!table_seed(&self->t) || !table_init(&self->t)) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    return (PyObject *)self;
-}
-
-static void ix_dealloc(KeyIndex *self)
-{
-    PyMem_Free(self->t.slots);
-    PyMem_Free(self->t.dense);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static Py_ssize_t ix_len(KeyIndex *self) { return (Py_ssize_t)self->t.n; }
-
-static int ix_contains(KeyIndex *self, PyObject *key)
-{
-    Py_ssize_t at = find_key(&self->t, key);
-    return at == -2 ? -1 : at >= 0;
 }
 
 static PyObject *value_at(const Table *t, Py_ssize_t at)
@@ -615,13 +632,14 @@ static PyObject *ix_clear(KeyIndex *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-/* flags(keys) -> bytes: per key 0 (absent), 1 (present, even value) or 2 (present, odd
- * value). The tier keeps "still writing" in its records' low bit, so one call answers a
- * block of a lookup: MISS, HIT or PENDING. Every key is checked before any is probed. */
+/* Per key 0 (absent), 1 (present, even value) or 2 (present, odd value), as bytes: the
+ * tier keeps "still writing" in its records' low bit, so this answers a block of a
+ * lookup's MISS, HIT or PENDING (``read`` maps them). Every key is checked before any is
+ * probed. */
 static PyObject *ix_flags(KeyIndex *self, PyObject *seq)
 {
     const Table *t = &self->t;
-    PyObject *fast = checked_keys(seq, "flags takes a list or tuple of keys");
+    PyObject *fast = checked_keys(seq, "read takes a list or tuple of keys");
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -645,9 +663,8 @@ static PyObject *ix_flags(KeyIndex *self, PyObject *seq)
 }
 
 /* read(keys, answers) -> list: per key answers[0] (absent), answers[1] (present, even
- * value) or answers[2] (present, odd value): ``flags`` with the codes already mapped to
- * the tier's statuses, so the answer costs no Python call per key. `answers` is a tuple
- * of three. */
+ * value) or answers[2] (present, odd value), the tier's statuses with no Python call per
+ * key. `answers` is a tuple of three. */
 static PyObject *ix_read(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || !PyTuple_CheckExact(args[1]) || PyTuple_GET_SIZE(args[1]) != 3) {
@@ -671,12 +688,6 @@ static PyObject *ix_read(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs
     return out;
 }
 
-static PyObject *ix_sizeof(KeyIndex *self, PyObject *unused)
-{
-    (void)unused;
-    return PyLong_FromSize_t(sizeof(KeyIndex) + table_bytes(&self->t));
-}
-
 static PyMethodDef ix_methods[] = {
     {"get", (PyCFunction)(void (*)(void))ix_get, METH_FASTCALL,
      "get(key, default=None) -> the key's value, or default."},
@@ -684,20 +695,18 @@ static PyMethodDef ix_methods[] = {
      "pop(key[, default]) -> remove the key and return its value."},
     {"keys", (PyCFunction)ix_keys, METH_NOARGS, "keys() -> a list of the keys (a snapshot)."},
     {"clear", (PyCFunction)ix_clear, METH_NOARGS, "clear() -> forget every key."},
-    {"flags", (PyCFunction)ix_flags, METH_O,
-     "flags(keys) -> bytes: 0 absent, 1 present with an even value, 2 with an odd one."},
     {"read", (PyCFunction)(void (*)(void))ix_read, METH_FASTCALL,
      "read(keys, answers) -> [answers[flag] for each key's flag]."},
-    {"__sizeof__", (PyCFunction)ix_sizeof, METH_NOARGS, "bytes held, arrays included."},
+    {"__sizeof__", (PyCFunction)table_object_sizeof, METH_NOARGS, "bytes held, arrays included."},
     {NULL, NULL, 0, NULL},
 };
 
 static PySequenceMethods ix_as_sequence = {
-    .sq_contains = (objobjproc)ix_contains,
+    .sq_contains = table_object_contains,
 };
 
 static PyMappingMethods ix_as_mapping = {
-    .mp_length = (lenfunc)ix_len,
+    .mp_length = table_object_len,
     .mp_subscript = (binaryfunc)ix_getitem,
     .mp_ass_subscript = (objobjargproc)ix_ass_subscript,
 };
@@ -709,8 +718,8 @@ static PyTypeObject KeyIndexType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A map from key bytes (1..255 bytes) to ints in 0..2**63-1, keys inline; "
               "see native/kvcore_index.c.",
-    .tp_new = ix_new,
-    .tp_dealloc = (destructor)ix_dealloc,
+    .tp_new = table_object_new,
+    .tp_dealloc = table_object_dealloc,
     .tp_iter = (getiterfunc)ix_iter,
     .tp_methods = ix_methods,
     .tp_as_sequence = &ix_as_sequence,
@@ -724,7 +733,7 @@ static PyTypeObject KeyIndexType = {
  * that outlives one raises instead of reading a moved entry. */
 typedef struct {
     PyObject_HEAD
-    Table t;
+    Table t;             /* as in TableObject: the shared functions read it */
     uint32_t head, tail; /* oldest and newest entries, NIL when empty */
     uint64_t version;
 } KeyOrder;
@@ -796,34 +805,10 @@ static void order_remove(KeyOrder *self, size_t at)
 
 static PyObject *ko_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s() takes no arguments", type->tp_name);
-        return NULL;
-    }
-    KeyOrder *self = (KeyOrder *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    self->head = self->tail = NIL;
-    if (!table_seed(&self->t) || !table_init(&self->t)) {
-        Py_DECREF(self);
-        return NULL;
-    }
+    KeyOrder *self = (KeyOrder *)table_object_new(type, args, kwds);
+    if (self != NULL)
+        self->head = self->tail = NIL;
     return (PyObject *)self;
-}
-
-static void ko_dealloc(KeyOrder *self)
-{
-    PyMem_Free(self->t.slots);
-    PyMem_Free(self->t.dense);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static Py_ssize_t ko_len(KeyOrder *self) { return (Py_ssize_t)self->t.n; }
-
-static int ko_contains(KeyOrder *self, PyObject *key)
-{
-    Py_ssize_t at = find_key(&self->t, key);
-    return at == -2 ? -1 : at >= 0;
 }
 
 /* add_many(keys): each absent key joins at the newest end, in order; a present key keeps
@@ -940,12 +925,6 @@ static PyObject *ko_clear(KeyOrder *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *ko_sizeof(KeyOrder *self, PyObject *unused)
-{
-    (void)unused;
-    return PyLong_FromSize_t(sizeof(KeyOrder) + table_bytes(&self->t));
-}
-
 /* Iteration walks the links oldest first, lazily (an eviction walk reads only the
  * victims and what it skips); a change to the order while it walks raises RuntimeError,
  * as an OrderedDict's iterator does. */
@@ -1009,13 +988,13 @@ static PyMethodDef ko_methods[] = {
      "remove_many(keys): remove keys that are all present, else KeyError."},
     {"discard", (PyCFunction)ko_discard, METH_O, "discard(key): remove the key if present."},
     {"clear", (PyCFunction)ko_clear, METH_NOARGS, "clear() -> forget every key."},
-    {"__sizeof__", (PyCFunction)ko_sizeof, METH_NOARGS, "bytes held, arrays included."},
+    {"__sizeof__", (PyCFunction)table_object_sizeof, METH_NOARGS, "bytes held, arrays included."},
     {NULL, NULL, 0, NULL},
 };
 
 static PySequenceMethods ko_as_sequence = {
-    .sq_length = (lenfunc)ko_len,
-    .sq_contains = (objobjproc)ko_contains,
+    .sq_length = table_object_len,
+    .sq_contains = table_object_contains,
 };
 
 static PyTypeObject KeyOrderType = {
@@ -1026,7 +1005,7 @@ static PyTypeObject KeyOrderType = {
     .tp_doc = "An ordered set of key bytes, oldest first (an LRU order), keys inline; "
               "see native/kvcore_index.c.",
     .tp_new = ko_new,
-    .tp_dealloc = (destructor)ko_dealloc,
+    .tp_dealloc = table_object_dealloc,
     .tp_iter = (getiterfunc)ko_iter,
     .tp_methods = ko_methods,
     .tp_as_sequence = &ko_as_sequence,

@@ -95,13 +95,13 @@ def _bad_group(where: str, group: object) -> NoReturn:
 # them a container the cyclic garbage collector walks (a full collection over a 524K-key
 # tier took 0.33 s, a scheduler stall every few steps) and cost 56 bytes more per key.
 # The records live in a ``KeyIndex`` (keys inline, native/kvcore_index.c), whose
-# ``flags`` reads a block of keys' MISS / HIT / PENDING from the low bit in one call. Pin
+# ``read`` answers a block of keys' MISS / HIT / PENDING from the low bit in one call. Pin
 # counts live beside it, holding only the pinned keys.
 GROUP_BITS = (MAX_GROUPS - 1).bit_length()
 GROUP_MASK = (1 << GROUP_BITS) - 1
 SLOT_SHIFT = GROUP_BITS + 1
 WRITING = 1
-# ``KeyIndex.flags`` codes, as statuses: 0 absent, 1 READY, 2 WRITING.
+# What ``KeyIndex.read`` answers for an absent, a READY and a WRITING key.
 _STATUS_OF = (Status.MISS, Status.HIT, Status.PENDING)
 
 
