@@ -47,6 +47,18 @@ def read_blocks(cfg: OffloadConfig) -> tuple[int, ...]:
                  for g in cfg.groups)
 
 
+def mixed(statuses: list[Status | None]) -> bool:
+    """Whether a non-empty block holds more than one status.
+
+    A block of a long prompt is one status throughout (all HIT, or all MISS past the
+    stored prefix). ``count`` of the first element matches the others by identity, about
+    1 ns each, while ``in`` or ``index`` for a status that is absent compares every
+    element through the enum's equality, about 18 ns each: three such scans a 512-key
+    block were a third of a 128K Llama lookup (0.45 of 1.3 ms).
+    """
+    return statuses.count(statuses[0]) != len(statuses)
+
+
 class StatusReader:
     """One lookup's view of the tier: each key's status, read in blocks and kept.
 
@@ -82,7 +94,8 @@ class StatusReader:
                                  f"for {hi - lo} keys; it must answer one per key, in order")
         self.known[group][lo:hi] = got
         self._derived[group][lo] = keys
-        self.pending = self.pending or Status.PENDING in got
+        if not self.pending:
+            self.pending = Status.PENDING in got if mixed(got) else got[0] is Status.PENDING
 
     def status(self, group: int, idx: int) -> Status:
         s = self.known[group][idx]
@@ -150,6 +163,11 @@ class HitTest:
         while at < end:
             stop = min(at - at % size + size, end)
             statuses = self._reader.block(group, at, stop)
+            if not mixed(statuses):  # one status throughout: the first says it all
+                if statuses[0] in bad:
+                    return at
+                at = stop
+                continue
             found = [statuses.index(b) for b in bad if b in statuses]
             if found:
                 return at + min(found)
