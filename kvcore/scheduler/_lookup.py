@@ -47,7 +47,7 @@ def read_blocks(cfg: OffloadConfig) -> tuple[int, ...]:
                  for g in cfg.groups)
 
 
-def mixed(statuses: list[Status | None]) -> bool:
+def mixed(statuses: Sequence[Status | None]) -> bool:
     """Whether a non-empty block holds more than one status.
 
     A block of a long prompt is one status throughout (all HIT, or all MISS past the
