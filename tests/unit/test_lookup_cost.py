@@ -166,3 +166,49 @@ def test_a_tier_answering_too_few_statuses_is_named() -> None:
     sched.add_request(RequestInfo("r", 16, tuple(hashes_of(0, 4))))
     with pytest.raises(BadReportError, match=r"lookup_many answered \d+ statuses for \d+ keys"):
         sched.lookup("r", 0, 16)
+
+
+# A FULL group reads its keys a block at a time; a block of one status is judged by its
+# first key (``_lookup.mixed``). These maps put the one key that differs at each place a
+# block-level shortcut could miss it: a block's first, last and middle key, and the first
+# key of the next block; and whole blocks of PENDING, where the shortcut must still see
+# that a key was PENDING.
+FULL_ONLY = OffloadConfig((GroupSpec(GroupKind.FULL, 16),), hash_block_tokens=16,
+                          num_gpu_blocks=4096, num_cpu_blocks=4096)
+
+
+def _block_maps(n: int, block: int) -> list[list[Status]]:
+    hit, miss, pending = Status.HIT, Status.MISS, Status.PENDING
+    maps = [[hit] * n, [miss] * n, [pending] * n]
+    for at in (0, 1, block // 2, block - 1, block, block + 1, 2 * block - 1, n - 1):
+        for odd in (miss, pending):
+            maps.append([odd if i == at else hit for i in range(n)])
+    maps.append([hit] * block + [pending] * block + [hit] * (n - 2 * block))
+    maps.append([hit] * block + [pending] * (n - block))
+    maps.append([pending] * block + [miss] * (n - block))
+    return maps
+
+
+def test_uniform_read_blocks_answer_as_the_reference() -> None:
+    from kvcore.scheduler._lookup import FULL_READ_BLOCK
+    block = FULL_READ_BLOCK
+    n = 3 * block + 37
+    hashes = hashes_of(7, n)
+    answers = set()
+    for case, states in enumerate(_block_maps(n, block)):
+        mine = CPUOffloadManager.for_config(FULL_ONLY)
+        ref = ReferenceManager((mine.capacity_of(0),))
+        set_states([mine, ref], group_keys(FULL_ONLY, 0, hashes), states)
+        s = OffloadScheduler(FULL_ONLY, mine)
+        model = ReferenceScheduler(FULL_ONLY, ref)
+        tokens = n * 16
+        for computed in (0, 16 * (block + 3)):
+            for sched in (s, model):
+                sched.add_request(RequestInfo("r", tokens, tuple(hashes)))
+            got = s.lookup("r", computed, tokens)
+            want = model.lookup("r", computed, tokens)
+            assert got == want, (case, computed, got, want)
+            answers.add(got if got is PENDING else got > 0)
+            for sched in (s, model):
+                sched.request_finished("r")
+    assert answers == {PENDING, True, False}
