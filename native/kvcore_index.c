@@ -399,19 +399,91 @@ static PyObject *checked_keys(PyObject *seq, const char *what)
     return fast;
 }
 
-/* The slots of keys items[0..m) (checked keys), -1 for an absent one, probed together:
- * hash each and prefetch its home slot, prefetch the entry a matching tag names, then
- * compare (a run past the home slot is rare at half load). `step` is +1 or -1: the
- * order in which items are read from items[0]. */
-static void probe_window(const Table *t, PyObject **items, Py_ssize_t m, Py_ssize_t step,
-                         Py_ssize_t *found)
+/* A batch call's keys: key i is items[i] followed by `suffix`. The suffix lets a lookup
+ * pass a group's block hashes with the group's bytes once (``read(hashes, answers,
+ * suffix)``) instead of 8,192 key objects made for one probe each: each key is assembled
+ * in the window's buffer, next to the probe that reads it. */
+typedef struct {
+    PyObject **items;
+    const unsigned char *suffix;
+    size_t slen;
+    unsigned char buf[WINDOW][MAX_KEY];
+} Batch;
+
+/* Items checked as keys with the suffix appended: exact bytes, 1..MAX_KEY bytes in all
+ * (a new reference to the fast form, or NULL with the error); `suffix` is exact bytes of
+ * at most MAX_KEY - 1 bytes, or NULL for none. */
+static PyObject *checked_batch(PyObject *seq, PyObject *suffix, const char *what, Batch *b)
+{
+    b->suffix = NULL;
+    b->slen = 0;
+    if (suffix != NULL) {
+        if (!PyBytes_CheckExact(suffix)) {
+            PyErr_Format(PyExc_TypeError, "kvcore._index suffixes are bytes, not %.100s",
+                         Py_TYPE(suffix)->tp_name);
+            return NULL;
+        }
+        b->suffix = (const unsigned char *)PyBytes_AS_STRING(suffix);
+        b->slen = (size_t)PyBytes_GET_SIZE(suffix);
+    }
+    if (b->slen == 0)
+        return checked_keys(seq, what);
+    if (b->slen >= MAX_KEY) {
+        PyErr_Format(PyExc_ValueError, "kvcore._index suffixes are 0..%d bytes, not %zu",
+                     MAX_KEY - 1, b->slen);
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = items[i];
+        if (!PyBytes_CheckExact(k)) {
+            PyErr_Format(PyExc_TypeError, "kvcore._index keys are bytes, not %.100s",
+                         Py_TYPE(k)->tp_name);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if ((size_t)PyBytes_GET_SIZE(k) > MAX_KEY - b->slen) {
+            PyErr_Format(PyExc_ValueError, "kvcore._index keys are 1..%d bytes, not %zu",
+                         MAX_KEY, (size_t)PyBytes_GET_SIZE(k) + b->slen);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    return fast;
+}
+
+/* Key i of the batch, assembled in window buffer j when there is a suffix. */
+static const unsigned char *batch_key(Batch *b, Py_ssize_t i, Py_ssize_t j, size_t *len)
+{
+    PyObject *k = b->items[i];
+    const unsigned char *p = (const unsigned char *)PyBytes_AS_STRING(k);
+    size_t n = (size_t)PyBytes_GET_SIZE(k);
+    if (b->slen == 0) {
+        *len = n;
+        return p;
+    }
+    memcpy(b->buf[j], p, n);
+    memcpy(b->buf[j] + n, b->suffix, b->slen);
+    *len = n + b->slen;
+    return b->buf[j];
+}
+
+/* The slots of keys base, base + step, ... (m of them, checked), -1 for an absent one,
+ * probed together: hash each and prefetch its home slot, prefetch the entry a matching
+ * tag names, then compare (a run past the home slot is rare at half load). */
+static void probe_window(const Table *t, Batch *b, Py_ssize_t base, Py_ssize_t m,
+                         Py_ssize_t step, Py_ssize_t *found)
 {
     uint64_t hs[WINDOW];
-    size_t at[WINDOW];
+    size_t at[WINDOW], lens[WINDOW];
+    const unsigned char *ps[WINDOW];
     for (Py_ssize_t j = 0; j < m; j++) {
-        PyObject *k = items[j * step];
-        hs[j] = key_hash(t->seed, (const unsigned char *)PyBytes_AS_STRING(k),
-                         (size_t)PyBytes_GET_SIZE(k));
+        ps[j] = batch_key(b, base + j * step, j, &lens[j]);
+        hs[j] = key_hash(t->seed, ps[j], lens[j]);
         at[j] = home_of(t, hs[j]);
         PREFETCH(&t->slots[at[j]]);
     }
@@ -420,11 +492,8 @@ static void probe_window(const Table *t, PyObject **items, Py_ssize_t m, Py_ssiz
         if (s != 0 && (s >> 32) == (hs[j] >> 32))
             PREFETCH(entry_at(t, (size_t)(s & LOW32) - 1));
     }
-    for (Py_ssize_t j = 0; j < m; j++) {
-        PyObject *k = items[j * step];
-        found[j] = find_from(t, at[j], (const unsigned char *)PyBytes_AS_STRING(k),
-                             (size_t)PyBytes_GET_SIZE(k), hs[j]);
-    }
+    for (Py_ssize_t j = 0; j < m; j++)
+        found[j] = find_from(t, at[j], ps[j], lens[j], hs[j]);
 }
 
 /* ---- the Python object both types are --------------------------------------------- */
@@ -636,14 +705,15 @@ static PyObject *ix_clear(KeyIndex *self, PyObject *unused)
  * tier keeps "still writing" in its records' low bit, so this answers a block of a
  * lookup's MISS, HIT or PENDING (``read`` maps them). Every key is checked before any is
  * probed. */
-static PyObject *ix_flags(KeyIndex *self, PyObject *seq)
+static PyObject *ix_flags(KeyIndex *self, PyObject *seq, PyObject *suffix)
 {
     const Table *t = &self->t;
-    PyObject *fast = checked_keys(seq, "read takes a list or tuple of keys");
+    Batch b;
+    PyObject *fast = checked_batch(seq, suffix, "read takes a list or tuple of keys", &b);
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    b.items = PySequence_Fast_ITEMS(fast);
     PyObject *out = PyBytes_FromStringAndSize(NULL, n);
     if (out == NULL) {
         Py_DECREF(fast);
@@ -653,7 +723,7 @@ static PyObject *ix_flags(KeyIndex *self, PyObject *seq)
     Py_ssize_t found[WINDOW];
     for (Py_ssize_t base = 0; base < n; base += WINDOW) {
         Py_ssize_t m = n - base < WINDOW ? n - base : WINDOW;
-        probe_window(t, items + base, m, 1, found);
+        probe_window(t, &b, base, m, 1, found);
         for (Py_ssize_t j = 0; j < m; j++)
             res[base + j] = found[j] < 0 ? 0
                 : (unsigned char)(1 + (word_of(t, entry_in(t, (size_t)found[j])) & 1));
@@ -662,16 +732,18 @@ static PyObject *ix_flags(KeyIndex *self, PyObject *seq)
     return out;
 }
 
-/* read(keys, answers) -> list: per key answers[0] (absent), answers[1] (present, even
- * value) or answers[2] (present, odd value), the tier's statuses with no Python call per
- * key. `answers` is a tuple of three. */
+/* read(keys, answers, suffix=b"") -> list: per key (each item + suffix) answers[0]
+ * (absent), answers[1] (present, even value) or answers[2] (present, odd value), the
+ * tier's statuses with no Python call per key. `answers` is a tuple of three. */
 static PyObject *ix_read(KeyIndex *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyTuple_CheckExact(args[1]) || PyTuple_GET_SIZE(args[1]) != 3) {
-        PyErr_SetString(PyExc_TypeError, "read(keys, answers) takes keys and a tuple of 3");
+    if (nargs < 2 || nargs > 3 || !PyTuple_CheckExact(args[1])
+            || PyTuple_GET_SIZE(args[1]) != 3) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read(keys, answers, suffix=b'') takes keys and a tuple of 3");
         return NULL;
     }
-    PyObject *flags = ix_flags(self, args[0]);
+    PyObject *flags = ix_flags(self, args[0], nargs == 3 ? args[2] : NULL);
     if (flags == NULL)
         return NULL;
     Py_ssize_t n = PyBytes_GET_SIZE(flags);
@@ -696,7 +768,7 @@ static PyMethodDef ix_methods[] = {
     {"keys", (PyCFunction)ix_keys, METH_NOARGS, "keys() -> a list of the keys (a snapshot)."},
     {"clear", (PyCFunction)ix_clear, METH_NOARGS, "clear() -> forget every key."},
     {"read", (PyCFunction)(void (*)(void))ix_read, METH_FASTCALL,
-     "read(keys, answers) -> [answers[flag] for each key's flag]."},
+     "read(keys, answers, suffix=b'') -> [answers[flag] for each key + suffix's flag]."},
     {"__sizeof__", (PyCFunction)table_object_sizeof, METH_NOARGS, "bytes held, arrays included."},
     {NULL, NULL, 0, NULL},
 };
@@ -842,23 +914,29 @@ static PyObject *ko_add_many(KeyOrder *self, PyObject *seq)
     Py_RETURN_NONE;
 }
 
-/* touch(keys): for each key, last to first, a present key moves to the newest end, so
- * the first key ends newest (an OrderedDict's move_to_end over reversed(keys)); absent
- * keys are skipped. Checked before any moves. */
-static PyObject *ko_touch(KeyOrder *self, PyObject *seq)
+/* touch(keys, suffix=b""): for each key (item + suffix), last to first, a present key
+ * moves to the newest end, so the first key ends newest (an OrderedDict's move_to_end
+ * over reversed(keys)); absent keys are skipped. Checked before any moves. */
+static PyObject *ko_touch(KeyOrder *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Table *t = &self->t;
-    PyObject *fast = checked_keys(seq, "touch takes a list or tuple of keys");
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "touch(keys, suffix=b'') takes 1 or 2 arguments");
+        return NULL;
+    }
+    Batch b;
+    PyObject *fast = checked_batch(args[0], nargs == 2 ? args[1] : NULL,
+                                   "touch takes a list or tuple of keys", &b);
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    b.items = PySequence_Fast_ITEMS(fast);
     Py_ssize_t found[WINDOW];
     uint64_t moved = 0;
     /* Moving an entry relinks it but moves no slot, so a window's probes stay valid. */
     for (Py_ssize_t top = n - 1; top >= 0; top -= WINDOW) {
         Py_ssize_t m = top + 1 < WINDOW ? top + 1 : WINDOW;
-        probe_window(t, items + top, m, -1, found);
+        probe_window(t, &b, top, m, -1, found);
         for (Py_ssize_t j = 0; j < m; j++) {
             if (found[j] < 0)
                 continue;
@@ -982,8 +1060,9 @@ static PyTypeObject KeyOrderIterType = {
 static PyMethodDef ko_methods[] = {
     {"add_many", (PyCFunction)ko_add_many, METH_O,
      "add_many(keys): absent keys join at the newest end, in order."},
-    {"touch", (PyCFunction)ko_touch, METH_O,
-     "touch(keys): present keys move to the newest end, the first key newest."},
+    {"touch", (PyCFunction)(void (*)(void))ko_touch, METH_FASTCALL,
+     "touch(keys, suffix=b''): present keys (each item + suffix) move to the newest end, "
+     "the first key newest."},
     {"remove_many", (PyCFunction)ko_remove_many, METH_O,
      "remove_many(keys): remove keys that are all present, else KeyError."},
     {"discard", (PyCFunction)ko_discard, METH_O, "discard(key): remove the key if present."},

@@ -56,6 +56,10 @@ class LRUPolicy(EvictionPolicy):
         (a window's unstored chunks, most of what a lookup touches) are skipped."""
         self._order.touch(keys)
 
+    def touch_hashes(self, hashes: Sequence[bytes], suffix: bytes) -> None:
+        """``touch`` of ``hash + suffix`` each, the keys assembled inside ``KeyOrder``."""
+        self._order.touch(hashes, suffix)
+
     def choose(self, n: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:
         if n <= 0:
             return []

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+from kvcore._scan import suffixed
 from kvcore.spec.types import Key
 
 
@@ -55,6 +56,11 @@ class EvictionPolicy(ABC):
 
         Keys the policy does not hold are ignored (ARC learns from its ghost lists).
         """
+
+    def touch_hashes(self, hashes: Sequence[bytes], suffix: bytes) -> None:
+        """``touch`` of the keys ``hash + suffix`` (checked by the manager): policies whose
+        order is native take them without a key object each; the default makes them."""
+        self.touch(suffixed(hashes, suffix))
 
     @abstractmethod
     def choose(self, n: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:

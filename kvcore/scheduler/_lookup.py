@@ -71,7 +71,7 @@ class StatusReader:
     objects, their hashes already computed, instead of deriving them again.
     """
 
-    __slots__ = ("_derived", "_keys", "_many", "blocks", "known", "pending")
+    __slots__ = ("_by_hash", "_derived", "_keys", "_many", "blocks", "known", "pending")
 
     def __init__(self, keys: Sequence[GroupKeys], manager: Any, blocks: Sequence[int]) -> None:
         self._keys = keys
@@ -79,21 +79,38 @@ class StatusReader:
         many = getattr(manager, "lookup_many", None)
         self._many: Callable[[list[Key]], Sequence[Status]] = (
             many if many is not None else lambda ks: [manager.lookup(k) for k in ks])
+        # A tier that takes a group's keys as hashes and the group's suffix (kvcore's own)
+        # is read that way: no key object is made for a probe. ``_derived`` then holds
+        # the hashes read, for ``touch_hashes``.
+        self._by_hash: Callable[[list[bytes], bytes], Sequence[Status]] | None = getattr(
+            manager, "lookup_hashes", None)
         self.known: list[list[Status | None]] = [[None] * len(k) for k in keys]
-        self._derived: list[dict[int, list[Key]]] = [{} for _ in keys]  # block start -> keys
+        # block start -> what was read there: keys, or hashes when ``by_hash``
+        self._derived: list[dict[int, list[bytes]]] = [{} for _ in keys]
         self.pending = False  # whether any key read is PENDING
+
+    @property
+    def by_hash(self) -> bool:
+        """Whether the blocks read were hashes (``items`` then answers hashes)."""
+        return self._by_hash is not None
 
     def _fetch(self, group: int, idx: int) -> None:
         size = self.blocks[group]
         lo = idx - idx % size
         hi = min(lo + size, len(self.known[group]))
-        keys = self._keys[group][lo:hi]
-        got = list(self._many(list(keys)))  # the tier gets its own list: ours is reused
+        keys = self._keys[group]
+        if self._by_hash is not None:
+            items = keys.chunk_hashes(lo, hi)
+            got = list(self._by_hash(list(items), keys.suffix))
+        else:
+            items = keys[lo:hi]
+            got = list(self._many(list(items)))  # the tier gets its own list: ours is reused
         if len(got) != hi - lo:
-            raise BadReportError(f"the tier's lookup_many answered {len(got)} statuses "
+            call = "lookup_hashes" if self._by_hash is not None else "lookup_many"
+            raise BadReportError(f"the tier's {call} answered {len(got)} statuses "
                                  f"for {hi - lo} keys; it must answer one per key, in order")
         self.known[group][lo:hi] = got
-        self._derived[group][lo] = keys
+        self._derived[group][lo] = items
         if not self.pending:
             self.pending = Status.PENDING in got if mixed(got) else got[0] is Status.PENDING
 
@@ -114,18 +131,22 @@ class StatusReader:
     def saw_pending(self) -> bool:
         return self.pending
 
-    def keys(self, group: int, lo: int, hi: int) -> list[Key]:
-        """Keys ``[lo, hi)`` of ``group``: the blocks this lookup read, reused, and the
-        rest derived now."""
+    def items(self, group: int, lo: int, hi: int) -> list[bytes]:
+        """Chunks ``[lo, hi)`` of ``group`` as this lookup read them (keys, or hashes when
+        ``by_hash``): the blocks read, reused, and the rest derived now."""
         size, derived, keys = self.blocks[group], self._derived[group], self._keys[group]
         hi = min(hi, len(self.known[group]))
-        out: list[Key] = []
+        out: list[bytes] = []
         at = lo
         while at < hi:
             start = at - at % size
             stop = min(start + size, hi)
             block = derived.get(start)
-            out.extend(keys[at:stop] if block is None else block[at - start:stop - start])
+            if block is not None:
+                out.extend(block[at - start:stop - start])
+            else:
+                out.extend(keys.chunk_hashes(at, stop) if self._by_hash is not None
+                           else keys[at:stop])
             at = stop
         return out
 

@@ -124,6 +124,21 @@ class GroupKeys:
     def __len__(self) -> int:
         return self._hashes.size // self._hpc
 
+    @property
+    def suffix(self) -> bytes:
+        """The group's bytes every key ends with (``make_key(b"", group)``)."""
+        return self._suffix
+
+    def chunk_hashes(self, lo: int, hi: int) -> list[bytes]:
+        """The last hash of each chunk in ``[lo, hi)`` (``0 <= lo``): each chunk's key less
+        the suffix, for a tier that takes one group's keys as hashes and the suffix
+        (``CPUOffloadManager.lookup_hashes``), so no key object is made."""
+        hpc = self._hpc
+        hi = min(hi, self._hashes.size // hpc)
+        if lo >= hi:
+            return []
+        return self._hashes.strided((lo + 1) * hpc - 1, hi * hpc, hpc)
+
     @overload
     def __getitem__(self, index: int) -> Key: ...
 

@@ -314,6 +314,7 @@ class OffloadScheduler:
         at ``boundary`` reads (the reach before it, and a draft group's extra chunks), so a
         lookup that stops early touches O(window) keys, not the rest of the prompt. Keys
         the lookup's ``reader`` derived are handed over again, not derived twice."""
+        touch_hashes = getattr(self.manager, "touch_hashes", None)
         for group, g in enumerate(self.config.groups):
             if g.kind is GroupKind.FULL:
                 lo, hi = 0, len(req.keys[group])
@@ -321,8 +322,14 @@ class OffloadScheduler:
                 hit_chunks = boundary // g.tokens_per_chunk
                 reach = reach_chunks(g) + g.extra_chunks
                 lo, hi = max(0, hit_chunks - reach), hit_chunks + g.extra_chunks
-            keys = req.keys[group][lo:hi] if reader is None else reader.keys(group, lo, hi)
-            self.manager.touch(keys)
+            keys = req.keys[group]
+            if touch_hashes is not None and (reader is None or reader.by_hash):
+                # kvcore's tier: the group's hashes and its suffix, no key objects
+                hashes = keys.chunk_hashes(lo, hi) if reader is None \
+                    else reader.items(group, lo, hi)
+                touch_hashes(hashes, keys.suffix)
+            else:
+                self.manager.touch(keys[lo:hi] if reader is None else reader.items(group, lo, hi))
 
     # -- loads --------------------------------------------------------------------------
 

@@ -127,6 +127,23 @@ class ShadowedManager:
                                      self.policy_name)], self.checked)
         return got  # type: ignore[no-any-return]
 
+    def lookup_hashes(self, hashes: Sequence[bytes], suffix: bytes) -> list[Status]:
+        """The same read with the keys given as one group's hashes and its suffix (the
+        path the scheduler takes with kvcore's tier): each status the reference's."""
+        got = self._call("lookup_hashes", hashes, suffix)
+        want = [self.reference.lookup(h + suffix) for h in hashes]
+        enforce([TierAgreementRecord(f"lookup_hashes of {len(hashes)} keys",
+                                     [s.name for s in got], [s.name for s in want],
+                                     self.policy_name)], self.checked)
+        return got  # type: ignore[no-any-return]
+
+    def touch_hashes(self, hashes: Sequence[bytes], suffix: bytes) -> None:
+        self._call("touch_hashes", hashes, suffix)
+        keys = [h + suffix for h in hashes]
+        self.reference.touch(keys)
+        for arc in self.arcs.values():
+            arc.touch(keys)
+
     def touch(self, keys: Sequence[Key]) -> None:
         self._call("touch", keys)
         self.reference.touch(keys)

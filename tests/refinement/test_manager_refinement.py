@@ -201,6 +201,25 @@ class ManagerRefinement(RuleBasedStateMachine):
         self.impl.touch(keys)
         self.model.touch(keys)
 
+    @rule(data=st.data(), group=st.sampled_from([0, 1]))
+    def touch_hashes(self, data: st.DataObject, group: int) -> None:
+        """The scheduler's touch: one group's keys as hashes and the group's suffix (the
+        same order and ghost effects as ``touch`` of the keys)."""
+        pool = [k for k in self.keys_in("ready", "pinned", "writing") + self.gone
+                if key_group(k) == group]
+        keys = [k for k in self.draw_keys(data, pool) if key_group(k) == group]
+        suffix = make_key(b"", group)
+        self.impl.touch_hashes([k[:-len(suffix)] for k in keys], suffix)
+        self.model.touch(keys)
+
+    @rule(data=st.data(), group=st.sampled_from([0, 1]))
+    def lookup_hashes(self, data: st.DataObject, group: int) -> None:
+        """The scheduler's block read: one status per hash, each the model's."""
+        keys = [k for k in data.draw(key_lists) if key_group(k) == group]
+        suffix = make_key(b"", group)
+        assert self.impl.lookup_hashes([k[:-len(suffix)] for k in keys], suffix) == \
+            [self.model.lookup(k) for k in keys]
+
     # -- events and reset ---------------------------------------------------------
 
     @rule()

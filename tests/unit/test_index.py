@@ -40,6 +40,19 @@ LENGTHS = (1, 7, 8, 9, 36, 39, 40, 68)
 keys = st.builds(lambda n, b: (b * 68)[:n] or b"\0", st.sampled_from(LENGTHS),
                  st.binary(min_size=1, max_size=4))
 values = st.integers(0, 2**63 - 1)
+# ``read`` and ``touch`` take keys as items plus one suffix (a group's bytes after its
+# block hashes): empty (the items are the keys), the tier's 4-byte group suffix, another.
+SUFFIXES = (b"", b"\0\0\0\1", b"xy")
+suffixes = st.sampled_from(SUFFIXES)
+
+
+def split_items(data: st.DataObject, present: list[bytes], suffix: bytes) -> list[bytes]:
+    """Items whose key (item + suffix) is among ``present`` keys ending with ``suffix``,
+    mixed with items that make absent keys (and keys without that suffix)."""
+    n = len(suffix)
+    heads = [k[:len(k) - n] for k in present if k.endswith(suffix) and len(k) > n]
+    item = st.sampled_from(heads) | keys if heads else keys
+    return data.draw(st.lists(item, max_size=40))
 
 
 def move_all(order: OrderedDict[bytes, None], touched: list[bytes]) -> None:
@@ -72,6 +85,18 @@ class IndexMachine(RuleBasedStateMachine):
             key = data.draw(st.sampled_from(sorted(self.model)))
             del self.index[key]
             del self.model[key]
+
+    @rule(key=keys, suffix=suffixes, value=values)
+    def put_suffixed(self, key: bytes, suffix: bytes, value: int) -> None:
+        self.index[key + suffix] = value
+        self.model[key + suffix] = value
+
+    @rule(data=st.data(), suffix=suffixes)
+    def read_suffixed(self, data: st.DataObject, suffix: bytes) -> None:
+        items = split_items(data, list(self.model), suffix)
+        got = self.index.read(items, ("absent", "even", "odd"), suffix)
+        assert got == ["absent" if (v := self.model.get(i + suffix)) is None
+                       else ("odd" if v & 1 else "even") for i in items]
 
     @rule(batch=st.lists(keys, max_size=40))
     def read(self, batch: list[bytes]) -> None:
@@ -110,6 +135,17 @@ class OrderMachine(RuleBasedStateMachine):
     def touch(self, batch: list[bytes]) -> None:
         self.order.touch(batch)
         move_all(self.model, batch)
+
+    @rule(key=keys, suffix=suffixes)
+    def add_suffixed(self, key: bytes, suffix: bytes) -> None:
+        self.order.add_many([key + suffix])
+        self.model[key + suffix] = None
+
+    @rule(data=st.data(), suffix=suffixes)
+    def touch_suffixed(self, data: st.DataObject, suffix: bytes) -> None:
+        items = split_items(data, list(self.model), suffix)
+        self.order.touch(items, suffix)
+        move_all(self.model, [i + suffix for i in items])
 
     @rule(data=st.data())
     def remove(self, data: st.DataObject) -> None:
@@ -310,3 +346,38 @@ def test_keys_refuse_an_index_changed_by_a_collection() -> None:
     finally:
         gc.callbacks.remove(grow)
         gc.set_threshold(*threshold)
+
+
+@pytest.mark.parametrize("suffix,items,error", [
+    (5, [b"a"], TypeError),                        # a suffix that is not bytes
+    (bytearray(b"x"), [b"a"], TypeError),
+    (b"x" * 255, [b""], ValueError),               # no room for any item
+    (b"xyz", [b"a" * 253], ValueError),            # item + suffix past 255 bytes
+    (b"xyz", [b"a", "b"], TypeError),              # an item that is not bytes
+    (b"", [b""], ValueError),                      # an empty key
+])
+def test_a_bad_suffixed_batch_is_refused_and_changes_nothing(
+        suffix: object, items: list[object], error: type[Exception]) -> None:
+    index, order = KeyIndex(), KeyOrder()
+    stored = [b"a" + s for s in (b"", b"xyz", b"\0\0\0\1")] + [b"b", b"c"]
+    for k in stored:
+        index[k] = 2
+    order.add_many(stored)
+    with pytest.raises(error):
+        index.read(items, (0, 1, 2), suffix)  # type: ignore[arg-type]
+    with pytest.raises(error):
+        order.touch(items, suffix)  # type: ignore[arg-type]
+    assert list(order) == stored and len(index) == len(stored)
+    with pytest.raises(TypeError):
+        index.read([b"a"], (0, 1, 2), b"", b"")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        order.touch([b"a"], b"", b"")  # type: ignore[call-arg]
+
+
+def test_an_empty_item_with_a_suffix_is_the_suffix_alone() -> None:
+    index, order = KeyIndex(), KeyOrder()
+    index[b"xy"] = 3
+    order.add_many([b"xy", b"z"])
+    assert index.read([b"", b"x"], ("no", "even", "odd"), b"xy") == ["odd", "no"]
+    order.touch([b""], b"xy")
+    assert list(order) == [b"z", b"xy"]
