@@ -28,13 +28,20 @@ from kvcore.manager import (
     EvictionPolicy,
     InvalidKeyError,
     KeyNotReadyError,
+    LRUPolicy,
     ManagerEvent,
     NotPinnedError,
     OffloadManager,
     PrepareStoreResult,
 )
 from kvcore.manager import _cpu as cpu_module
-from kvcore.spec.errors import ConfigError, InvariantViolation, short_key
+from kvcore.spec.errors import (
+    ArgumentRangeError,
+    ArgumentTypeError,
+    ConfigError,
+    InvariantViolation,
+    short_key,
+)
 from kvcore.spec.manager_model import ReferenceManager
 from kvcore.spec.types import Key, Status, make_key
 
@@ -536,3 +543,71 @@ def test_the_event_buffer_drops_the_oldest_keys_as_a_flat_list_would(
         dropped += over
         del flat[:over]
         assert m.stats().events_dropped == dropped
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_hashes_with_a_suffix_read_and_touch_as_their_keys(policy: str) -> None:
+    """``lookup_hashes``/``touch_hashes`` (the scheduler's path: a group's hashes and its
+    suffix) answer and reorder exactly as ``lookup_many``/``touch`` of the keys, in the
+    group the suffix names. Kills: the suffix dropped from the read or the touch, and the
+    touch routed to another group's pool."""
+    hashes = [b"h%02d" % i for i in range(6)]
+    by_keys, by_hashes = (CPUOffloadManager([4, 4], policy) for _ in range(2))
+    for m in (by_keys, by_hashes):
+        for group in (0, 1):
+            keys = [make_key(h, group) for h in hashes[:4]]
+            m.prepare_store(keys)
+            m.complete_store(keys[:3])
+    for group in (1, 0):
+        suffix = make_key(b"", group)
+        keys = [h + suffix for h in hashes]
+        assert by_hashes.lookup_hashes(hashes, suffix) == by_keys.lookup_many(keys) == \
+            [Status.HIT] * 3 + [Status.PENDING] + [Status.MISS] * 2
+        by_keys.touch(keys[0:2])
+        by_hashes.touch_hashes(hashes[0:2], suffix)
+    for m in (by_keys, by_hashes):
+        for group in (0, 1):
+            m.complete_store([make_key(hashes[3], group)])
+            # One more key each: the victim is the policy's choice, so it shows the order.
+            assert m.prepare_store([make_key(hashes[5], group)]) is not None
+    assert by_keys.take_events() == by_hashes.take_events()
+    assert [by_hashes.state_of(make_key(h, g)) for g in (0, 1) for h in hashes] == \
+        [by_keys.state_of(make_key(h, g)) for g in (0, 1) for h in hashes]
+
+
+@pytest.mark.parametrize("call", ["lookup_hashes", "touch_hashes"])
+@pytest.mark.parametrize("hashes,suffix", [
+    ("h", b"\0\0\0\0"), ([b"h", 3], b"\0\0\0\0"), ([b"h", b"hh"], b"\0\0\0\0"),
+    ([b"h" * 65], b"\0\0\0\0"), ([b"h"], "\0\0\0\0"), ([b"h"], b"\0\0\0"), ([b"h"], None)])
+def test_bad_hashes_or_suffix_are_refused_and_change_nothing(
+        call: str, hashes: object, suffix: object) -> None:
+    m = CPUOffloadManager(4)
+    keys = [make_key(b"a", 0), make_key(b"b", 0)]
+    m.prepare_store(keys)
+    m.complete_store(keys)
+    before = m.policy.order() if isinstance(m.policy, LRUPolicy) else None
+    with pytest.raises((ArgumentTypeError, ArgumentRangeError)):
+        getattr(m, call)(hashes, suffix)
+    assert m.policy.order() == before
+
+
+def test_a_subclass_that_records_reads_and_touches_sees_the_hashes_path() -> None:
+    """A tier subclass that overrides ``lookup_many``/``touch`` (to record or to read
+    elsewhere) is asked through them, with the keys assembled, not bypassed."""
+    seen: list[tuple[str, list[Key]]] = []
+
+    class Recording(CPUOffloadManager):
+        def lookup_many(self, keys: Sequence[Key]) -> list[Status]:
+            seen.append(("lookup_many", list(keys)))
+            return super().lookup_many(keys)
+
+        def touch(self, keys: Sequence[Key]) -> None:
+            seen.append(("touch", list(keys)))
+            super().touch(keys)
+
+    m = Recording(4)
+    suffix = make_key(b"", 0)
+    m.lookup_hashes([b"x", b"y"], suffix)
+    m.touch_hashes([b"y"], suffix)
+    assert seen == [("lookup_many", [b"x" + suffix, b"y" + suffix]),
+                    ("touch", [b"y" + suffix])]
