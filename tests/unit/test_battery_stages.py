@@ -71,18 +71,18 @@ def test_a_tier_that_raises_is_an_m2_divergence(monkeypatch: pytest.MonkeyPatch)
     assert "raised KeyError" in result.failure.message
 
 
-def test_lookup_many_is_compared_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``lookup_many`` answers MISS for a stored key (the scheduler's only read
-    path; the shadow used to pass it through unchecked). The shadow names it before the
-    scheduler acts on the answer."""
-    real = CPUOffloadManager.lookup_many
+def test_the_block_read_is_compared_with_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``lookup_hashes`` answers MISS for a stored key (the scheduler's read path
+    with kvcore's tier; the shadow once passed its block reads through unchecked). The
+    shadow names it before the scheduler acts on the answer."""
+    real = CPUOffloadManager.lookup_hashes
 
-    def forgetful(self: Any, keys: Any) -> list[Status]:
-        return [Status.MISS for _ in real(self, keys)]
-    monkeypatch.setattr(CPUOffloadManager, "lookup_many", forgetful)
+    def forgetful(self: Any, hashes: Any, suffix: bytes) -> list[Status]:
+        return [Status.MISS for _ in real(self, hashes, suffix)]
+    monkeypatch.setattr(CPUOffloadManager, "lookup_hashes", forgetful)
     result = stage()
     assert result.failure is not None and result.failure.ids == ["M2"], result.failure
-    assert "lookup_many" in result.failure.message
+    assert "lookup_hashes" in result.failure.message
 
 
 @pytest.mark.parametrize("edge", ["all computed", "cap 0"])
