@@ -44,6 +44,12 @@ class OffloadManager(ABC):
     ``max_pending_events`` keys' events and counts the ones it drops in
     ``stats().events_dropped``).
     Not thread-safe: the scheduler calls a tier from one thread.
+
+    A tier may also offer ``lookup_hashes(hashes, suffix)`` and ``touch_hashes(hashes,
+    suffix)``: ``lookup_many`` and ``touch`` of the keys ``hash + suffix``, one group's
+    keys given as its block hashes and the group's bytes (``make_key(b"", group)``).
+    The scheduler reads and touches through them when the tier has them (the CPU tier
+    does), so a lookup makes no key object; a tier without them gets keys.
     """
 
     @abstractmethod
