@@ -107,9 +107,11 @@ WRITING = 1
 _STATUS_OF = (Status.MISS, Status.HIT, Status.PENDING)
 
 
-def _check_hashes(where: str, hashes: object, suffix: object) -> None:
+def _check_hashes(where: str, hashes: object, suffix: object) -> tuple[bytes, ...]:
     """Hashes as ``check_hashes`` takes them (bytes of one length, 1..MAX_HASH_BYTES, in
-    a list or tuple) and a group's key suffix: exact bytes of KEY_GROUP_BYTES."""
+    a list or tuple) and a group's key suffix: exact bytes of KEY_GROUP_BYTES. Returns
+    the checked copy, which is what the call then uses (a list subclass could iterate
+    differently the second time)."""
     if type(suffix) is not bytes:
         raise ArgumentTypeError(where, "suffix", suffix, "bytes (a group's key suffix)",
                                 "pass make_key(b'', group)")
@@ -117,7 +119,7 @@ def _check_hashes(where: str, hashes: object, suffix: object) -> None:
         raise ArgumentRangeError(where, "len(suffix)", len(suffix),
                                  f"{KEY_GROUP_BYTES} bytes (a group's key suffix)",
                                  "pass make_key(b'', group)")
-    check_hashes(where, "hashes", hashes)
+    return check_hashes(where, "hashes", hashes)
 
 
 def _group(record: int) -> int:
@@ -238,7 +240,7 @@ class CPUOffloadManager(OffloadManager):
         for a probe: at 128K Llama tokens making the 8,192 keys alone was 0.15 ms. The
         keys are assembled next to the probe, in C.
         """
-        _check_hashes("lookup_hashes", hashes, suffix)
+        hashes = _check_hashes("lookup_hashes", hashes, suffix)
         if type(self).lookup_many is not CPUOffloadManager.lookup_many:
             # A subclass that reads another way (or records reads) sees every read.
             return self.lookup_many(suffixed(hashes, suffix))
@@ -302,7 +304,7 @@ class CPUOffloadManager(OffloadManager):
     def touch_hashes(self, hashes: Sequence[bytes], suffix: bytes) -> None:
         """``touch`` of the keys ``hash + suffix``, ``hashes[0]`` most recent: one group's
         keys, as ``lookup_hashes`` reads them."""
-        _check_hashes("touch_hashes", hashes, suffix)
+        hashes = _check_hashes("touch_hashes", hashes, suffix)
         if type(self).touch is not CPUOffloadManager.touch:
             self.touch(suffixed(hashes, suffix))  # a subclass's touch sees every touch
             return

@@ -57,7 +57,11 @@ class LRUPolicy(EvictionPolicy):
         self._order.touch(keys)
 
     def touch_hashes(self, hashes: Sequence[bytes], suffix: bytes) -> None:
-        """``touch`` of ``hash + suffix`` each, the keys assembled inside ``KeyOrder``."""
+        """``touch`` of ``hash + suffix`` each, the keys assembled inside ``KeyOrder``; a
+        subclass that overrides ``touch`` gets the keys made, through it."""
+        if type(self).touch is not LRUPolicy.touch:
+            super().touch_hashes(hashes, suffix)
+            return
         self._order.touch(hashes, suffix)
 
     def choose(self, n: int, can_evict: Callable[[Key], bool]) -> list[Key] | None:

@@ -73,17 +73,18 @@ class StatusReader:
 
     __slots__ = ("_by_hash", "_derived", "_keys", "_many", "blocks", "known", "pending")
 
-    def __init__(self, keys: Sequence[GroupKeys], manager: Any, blocks: Sequence[int]) -> None:
+    def __init__(self, keys: Sequence[GroupKeys], manager: Any, blocks: Sequence[int],
+                 by_hash: bool = False) -> None:
         self._keys = keys
         self.blocks = blocks  # per group, the keys read per call (READ_BLOCK, FULL_READ_BLOCK)
         many = getattr(manager, "lookup_many", None)
         self._many: Callable[[list[Key]], Sequence[Status]] = (
             many if many is not None else lambda ks: [manager.lookup(k) for k in ks])
-        # A tier that takes a group's keys as hashes and the group's suffix (kvcore's own)
-        # is read that way: no key object is made for a probe. ``_derived`` then holds
-        # the hashes read, for ``touch_hashes``.
-        self._by_hash: Callable[[list[bytes], bytes], Sequence[Status]] | None = getattr(
-            manager, "lookup_hashes", None)
+        # ``by_hash``: the tier takes a group's keys as hashes and the group's suffix
+        # (``lookup_hashes``; the scheduler decides, kvcore's tier does): no key object is
+        # made for a probe, and ``_derived`` holds the hashes read, for ``touch_hashes``.
+        self._by_hash: Callable[[list[bytes], bytes], Sequence[Status]] | None = (
+            manager.lookup_hashes if by_hash else None)
         self.known: list[list[Status | None]] = [[None] * len(k) for k in keys]
         # block start -> what was read there: keys, or hashes when ``by_hash``
         self._derived: list[dict[int, list[bytes]]] = [{} for _ in keys]

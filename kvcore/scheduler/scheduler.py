@@ -150,6 +150,12 @@ class OffloadScheduler:
         self._uncapped = config.max_offload_tokens is None and not config.prompt_only
         self._store_shape = store_shape(config)
         self._read_blocks = read_blocks(config)
+        # Reads and touches go as a group's hashes plus its suffix only when the tier's
+        # class defines both calls: a tier with one of them would get hashes where it
+        # wants keys, and a wrapper that forwards unknown names (``__getattr__``) to an
+        # inner tier would have its own lookup_many and touch bypassed.
+        self._by_hash = all(callable(getattr(type(manager), name, None))
+                            for name in ("lookup_hashes", "touch_hashes"))
         self._hash_len: int | None = None  # fixed by the first hash accepted
         self._stats = SchedulerStats()
         # Predicate evaluations per invariant id, for reports (``kvcore check``).
@@ -255,7 +261,7 @@ class OffloadScheduler:
     def _lookup_hit(self, req: RequestState, computed: int, num_tokens: int,
                     max_tokens: int | None = None
                     ) -> tuple[LookupResult, Convergence, StatusReader | None]:
-        reader = StatusReader(req.keys, self.manager, self._read_blocks)
+        reader = StatusReader(req.keys, self.manager, self._read_blocks, self._by_hash)
         num_keys = [len(k) for k in req.keys]
 
         def run(is_hit: Callable[[int, int], bool]) -> Convergence:
@@ -314,7 +320,6 @@ class OffloadScheduler:
         at ``boundary`` reads (the reach before it, and a draft group's extra chunks), so a
         lookup that stops early touches O(window) keys, not the rest of the prompt. Keys
         the lookup's ``reader`` derived are handed over again, not derived twice."""
-        touch_hashes = getattr(self.manager, "touch_hashes", None)
         for group, g in enumerate(self.config.groups):
             if g.kind is GroupKind.FULL:
                 lo, hi = 0, len(req.keys[group])
@@ -323,11 +328,10 @@ class OffloadScheduler:
                 reach = reach_chunks(g) + g.extra_chunks
                 lo, hi = max(0, hit_chunks - reach), hit_chunks + g.extra_chunks
             keys = req.keys[group]
-            if touch_hashes is not None and (reader is None or reader.by_hash):
-                # kvcore's tier: the group's hashes and its suffix, no key objects
+            if self._by_hash:  # the group's hashes and its suffix, no key objects
                 hashes = keys.chunk_hashes(lo, hi) if reader is None \
                     else reader.items(group, lo, hi)
-                touch_hashes(hashes, keys.suffix)
+                self.manager.touch_hashes(hashes, keys.suffix)
             else:
                 self.manager.touch(keys[lo:hi] if reader is None else reader.items(group, lo, hi))
 

@@ -213,3 +213,53 @@ def test_uniform_read_blocks_answer_as_the_reference() -> None:
             for sched in (s, model):
                 sched.request_finished("r")
     assert answers == {PENDING, True, False}
+
+
+class _Forwarding:
+    """A wrapper tier: its own lookup_many and touch record the keys and forward; every
+    other name goes to the inner CPU tier through ``__getattr__`` (as kvcore's simulator
+    shadow does), ``lookup_hashes`` included unless ``hashes_on_class`` defines it."""
+
+    def __init__(self, real: CPUOffloadManager) -> None:
+        self.real = real
+        self.read: list[bytes] = []
+        self.touched: list[bytes] = []
+
+    def lookup(self, key: bytes) -> Status:
+        return self.real.lookup(key)
+
+    def lookup_many(self, keys: Any) -> list[Status]:
+        self.read.extend(keys)
+        return self.real.lookup_many(keys)
+
+    def touch(self, keys: Any) -> None:
+        self.touched.extend(keys)
+        self.real.touch(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class _ReadsByHash(_Forwarding):
+    """Offers lookup_hashes on its class, but not touch_hashes."""
+
+    def lookup_hashes(self, hashes: Any, suffix: bytes) -> list[Status]:
+        return self.real.lookup_hashes(hashes, suffix)
+
+
+@pytest.mark.parametrize("tier", [_Forwarding, _ReadsByHash])
+def test_a_tier_without_both_hash_calls_gets_keys(tier: type[_Forwarding]) -> None:
+    """Review findings: a wrapper that forwards unknown names had its own lookup_many and
+    touch bypassed (the scheduler found the inner tier's lookup_hashes), and a tier with
+    lookup_hashes but no touch_hashes was touched with bare hashes. Both get keys now."""
+    real = CPUOffloadManager.for_config(FULL_ONLY)
+    hashes = tuple(hashes_of(3, 40))
+    keys = group_keys(FULL_ONLY, 0, hashes)
+    set_states([real], keys, [Status.HIT] * 30 + [Status.MISS] * 10)
+    wrapper = tier(real)
+    s = OffloadScheduler(FULL_ONLY, wrapper)
+    s.add_request(RequestInfo("r", 40 * 16, hashes))
+    assert s.lookup("r", 0, 40 * 16) == 30 * 16
+    assert wrapper.touched == keys  # a FULL group touches its whole prefix, as keys
+    if tier is _Forwarding:
+        assert set(wrapper.read) >= set(keys[:31])

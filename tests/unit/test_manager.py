@@ -611,3 +611,39 @@ def test_a_subclass_that_records_reads_and_touches_sees_the_hashes_path() -> Non
     m.touch_hashes([b"y"], suffix)
     assert seen == [("lookup_many", [b"x" + suffix, b"y" + suffix]),
                     ("touch", [b"y" + suffix])]
+
+
+def test_a_policy_subclass_that_overrides_touch_sees_the_hashes_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review finding: LRU's touch_hashes went straight to its native order, past a
+    subclass's ``touch``. It now goes through the override, with the keys made."""
+    seen: list[list[Key]] = []
+
+    class Recording(LRUPolicy):
+        def touch(self, keys: Sequence[Key]) -> None:
+            seen.append(list(keys))
+            super().touch(keys)
+
+    monkeypatch.setitem(cpu_module.POLICIES, "recording", Recording)
+    m = CPUOffloadManager(4, "recording")
+    suffix = make_key(b"", 0)
+    m.touch_hashes([b"x", b"y"], suffix)
+    assert seen == [[b"x" + suffix, b"y" + suffix]]
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_hashes_in_a_list_subclass_are_taken_as_a_list(policy: str) -> None:
+    """Review finding: a list subclass passed the argument check and then reached a C
+    helper that takes exact lists only (a bare ValueError). The checked copy is used."""
+
+    class Hashes(list):  # type: ignore[type-arg]
+        pass
+
+    m = CPUOffloadManager(4, policy)
+    keys = [make_key(b"a", 0), make_key(b"b", 0)]
+    m.prepare_store(keys)
+    m.complete_store(keys)
+    suffix = make_key(b"", 0)
+    assert m.lookup_hashes(Hashes([b"a", b"c"]), suffix) == [Status.HIT, Status.MISS]
+    m.touch_hashes(Hashes([b"a"]), suffix)
+    assert m.state_of(keys[0]) == "ready"
