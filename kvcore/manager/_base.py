@@ -48,8 +48,8 @@ class OffloadManager(ABC):
     A tier may also offer ``lookup_hashes(hashes, suffix)`` and ``touch_hashes(hashes,
     suffix)``: ``lookup_many`` and ``touch`` of the keys ``hash + suffix``, one group's
     keys given as its block hashes and the group's bytes (``make_key(b"", group)``).
-    The scheduler reads and touches through them when the tier has them (the CPU tier
-    does), so a lookup makes no key object; a tier without them gets keys.
+    The scheduler reads and touches through them when the tier's class defines both
+    (the CPU tier does), so a lookup makes no key object; any other tier gets keys.
     """
 
     @abstractmethod
