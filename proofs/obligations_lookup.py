@@ -168,6 +168,7 @@ def _pending(layout: int, num_tokens: int, bits: list[bool], pending: list[bool]
     maps = hit_maps(cfg, n, bits, PER_GROUP, pending=pending)
     keys = [[(g, i) for i in range(len(maps[g]))] for g in range(len(cfg.groups))]
     fake = SimpleNamespace(config=cfg, manager=_Manager(maps), _read_blocks=read_blocks(cfg),
+                           _by_hash=False,  # the stand-in tier takes keys, not hashes
                            _jobs=SimpleNamespace(loading={}))
     fake._being_loaded = lambda req, c, hit: OffloadScheduler._being_loaded(
         fake, req, c, hit)  # type: ignore[arg-type]
