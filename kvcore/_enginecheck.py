@@ -439,11 +439,29 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
             if job % 40 == 0:
                 _rebinds(bench, rng, cases + job)
         _read_back(bench)
+        _wait_limits(bench)
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
         bench.run(*tail, close=True)
     finally:
         bench.engine.close()
+
+
+def _wait_limits(bench: _Bench) -> None:
+    """A wait's limit at its edges is valid: 0 polls, ``threading.TIMEOUT_MAX`` is the
+    longest the lock takes, inf and None wait without one (nothing is in flight here, so
+    each returns at once). Past them (negative, NaN, beyond the lock's maximum, a string,
+    a bool) a kvcore error names the limit, before anything waits."""
+    for limit in (0, 0.0, threading.TIMEOUT_MAX, math.inf, None):
+        _valid(f"drain(timeout={limit!r})", partial(bench.engine.drain, limit), bench.checked)
+    for bad in (-1, -0.5, math.nan, threading.TIMEOUT_MAX * 2, "5", True):
+        raised: BaseException | None = None
+        try:
+            bench.engine.drain(bad)  # type: ignore[arg-type]
+        except Exception as exc:  # judged by the record
+            raised = exc
+        bench.record(f"drain(timeout={bad!r})", _name(raised),
+                     isinstance(raised, KVCoreError), _named(raised, "drain(timeout)"))
 
 
 def _one_each(jobs: Sequence[int], done: list[TransferResult]) -> list[TransferResult]:

@@ -7,6 +7,7 @@ names the wrong field, a copy to the wrong place. Each test names the mutant it 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -326,3 +327,31 @@ def test_a_touch_before_validation_is_caught(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(CPUOffloadManager, "touch", eager)
     assert "touch: a str key beside a good one: raised BadKeyError but changed the state" \
         in caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_wait_limit_refused_at_its_edge_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant (held-out seed 43's m18): the limit's bound ``<= TIMEOUT_MAX`` read as ``<``,
+    so the longest wait the lock takes is refused. Found by the transfer engine stage's
+    wait-limit edges (X2: a valid call refused)."""
+    real = _engine._timeout
+
+    def strict(where: str, timeout: object) -> float | None:
+        if timeout == threading.TIMEOUT_MAX:
+            raise _engine._bad(f"{where}(timeout)", "mutant: the edge refused")
+        return real(where, timeout)
+    monkeypatch.setattr(_engine, "_timeout", strict)
+    assert "drain(timeout=" in caught("X2")
+
+
+def test_a_negative_wait_limit_let_through_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the limit's lower bound dropped (a negative limit reads as "already timed
+    out" instead of a sign mistake named at the call). Found as an A1 bad call."""
+    real = _engine._timeout
+
+    def lax(where: str, timeout: object) -> float | None:
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool) \
+                and timeout < 0:
+            return 0.0
+        return real(where, timeout)
+    monkeypatch.setattr(_engine, "_timeout", lax)
+    assert "drain(timeout=-" in caught("A1")
