@@ -455,13 +455,19 @@ def _wait_limits(bench: _Bench) -> None:
     for limit in (0, 0.0, threading.TIMEOUT_MAX, math.inf, None):
         _valid(f"drain(timeout={limit!r})", partial(bench.engine.drain, limit), bench.checked)
     for bad in (-1, -0.5, math.nan, threading.TIMEOUT_MAX * 2, "5", True):
-        raised: BaseException | None = None
-        try:
-            bench.engine.drain(bad)  # type: ignore[arg-type]
-        except Exception as exc:  # judged by the record
-            raised = exc
-        bench.record(f"drain(timeout={bad!r})", _name(raised),
-                     isinstance(raised, KVCoreError), _named(raised, "drain(timeout)"))
+        _refused(bench, f"drain(timeout={bad!r})", partial(bench.engine.drain, bad),  # type: ignore[arg-type]
+                 "drain(timeout)")
+
+
+def _refused(bench: _Bench, call: str, make: Callable[[], object], *wanted: str) -> None:
+    """A1 for a bad call: ``make()`` must raise a kvcore error naming one of ``wanted``
+    and change nothing."""
+    raised: BaseException | None = None
+    try:
+        make()
+    except Exception as exc:  # judged by the record
+        raised = exc
+    bench.record(call, _name(raised), isinstance(raised, KVCoreError), _named(raised, *wanted))
 
 
 def _one_each(jobs: Sequence[int], done: list[TransferResult]) -> list[TransferResult]:
@@ -586,13 +592,8 @@ def _bad_rebinds(bench: _Bench, g: int) -> None:
          f"gpu_tensors[{g}][0]"),
     ]
     for name, tensors, where in twins:
-        raised: BaseException | None = None
-        try:
-            bench.engine.rebind_gpu_tensors(tensors)  # type: ignore[arg-type]
-        except Exception as exc:  # judged by the record
-            raised = exc
-        bench.record(f"rebind_gpu_tensors: {name}", _name(raised),
-                      isinstance(raised, KVCoreError), _named(raised, where))
+        _refused(bench, f"rebind_gpu_tensors: {name}",
+                 partial(bench.engine.rebind_gpu_tensors, tensors), where)  # type: ignore[arg-type]
 
 
 def _named(exc: BaseException | None, *wanted: str) -> str:

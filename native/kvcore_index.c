@@ -143,23 +143,32 @@ static inline size_t stride_for(size_t klen)
     return (HEAD + klen + 7) & ~(size_t)7;
 }
 
+/* 1 when `item` is exact bytes that, followed by `slen` suffix bytes (slen < MAX_KEY),
+ * make a key of 1..MAX_KEY bytes; else an error set and 0. */
+static int item_ok(PyObject *item, size_t slen)
+{
+    if (!PyBytes_CheckExact(item)) {
+        PyErr_Format(PyExc_TypeError, "kvcore._index keys are bytes, not %.100s",
+                     Py_TYPE(item)->tp_name);
+        return 0;
+    }
+    size_t n = (size_t)PyBytes_GET_SIZE(item) + slen;
+    if (n < 1 || n > MAX_KEY) {
+        PyErr_Format(PyExc_ValueError, "kvcore._index keys are 1..%d bytes, not %zu",
+                     MAX_KEY, n);
+        return 0;
+    }
+    return 1;
+}
+
 /* The key's bytes and length when it is exact bytes of 1..MAX_KEY bytes; else an error
  * set and 0. */
 static int key_of(PyObject *key, const unsigned char **p, size_t *len)
 {
-    if (!PyBytes_CheckExact(key)) {
-        PyErr_Format(PyExc_TypeError, "kvcore._index keys are bytes, not %.100s",
-                     Py_TYPE(key)->tp_name);
+    if (!item_ok(key, 0))
         return 0;
-    }
-    Py_ssize_t n = PyBytes_GET_SIZE(key);
-    if (n < 1 || n > MAX_KEY) {
-        PyErr_Format(PyExc_ValueError, "kvcore._index keys are 1..%d bytes, not %zd",
-                     MAX_KEY, n);
-        return 0;
-    }
     *p = (const unsigned char *)PyBytes_AS_STRING(key);
-    *len = (size_t)n;
+    *len = (size_t)PyBytes_GET_SIZE(key);
     return 1;
 }
 
@@ -379,9 +388,10 @@ static size_t table_bytes(const Table *t)
     return (t->mask + 1) * sizeof(uint64_t) + t->cap * t->stride;
 }
 
-/* Every item of a list or tuple checked as a key, before any is used: a new reference to
- * the sequence's fast form, or NULL with the error. */
-static PyObject *checked_keys(PyObject *seq, const char *what)
+/* Every item of a list or tuple checked as a key (the item followed by `slen` suffix
+ * bytes), before any is used: a new reference to the sequence's fast form, or NULL with
+ * the error. */
+static PyObject *checked_keys(PyObject *seq, const char *what, size_t slen)
 {
     PyObject *fast = PySequence_Fast(seq, what);
     if (fast == NULL)
@@ -389,9 +399,7 @@ static PyObject *checked_keys(PyObject *seq, const char *what)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
-        const unsigned char *p;
-        size_t len;
-        if (!key_of(items[i], &p, &len)) {
+        if (!item_ok(items[i], slen)) {
             Py_DECREF(fast);
             return NULL;
         }
@@ -426,34 +434,12 @@ static PyObject *checked_batch(PyObject *seq, PyObject *suffix, const char *what
         b->suffix = (const unsigned char *)PyBytes_AS_STRING(suffix);
         b->slen = (size_t)PyBytes_GET_SIZE(suffix);
     }
-    if (b->slen == 0)
-        return checked_keys(seq, what);
     if (b->slen >= MAX_KEY) {
         PyErr_Format(PyExc_ValueError, "kvcore._index suffixes are 0..%d bytes, not %zu",
                      MAX_KEY - 1, b->slen);
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(seq, what);
-    if (fast == NULL)
-        return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = items[i];
-        if (!PyBytes_CheckExact(k)) {
-            PyErr_Format(PyExc_TypeError, "kvcore._index keys are bytes, not %.100s",
-                         Py_TYPE(k)->tp_name);
-            Py_DECREF(fast);
-            return NULL;
-        }
-        if ((size_t)PyBytes_GET_SIZE(k) > MAX_KEY - b->slen) {
-            PyErr_Format(PyExc_ValueError, "kvcore._index keys are 1..%d bytes, not %zu",
-                         MAX_KEY, (size_t)PyBytes_GET_SIZE(k) + b->slen);
-            Py_DECREF(fast);
-            return NULL;
-        }
-    }
-    return fast;
+    return checked_keys(seq, what, b->slen);
 }
 
 /* Key i of the batch, assembled in window buffer j when there is a suffix. */
@@ -888,7 +874,7 @@ static PyObject *ko_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static PyObject *ko_add_many(KeyOrder *self, PyObject *seq)
 {
     Table *t = &self->t;
-    PyObject *fast = checked_keys(seq, "add_many takes a list or tuple of keys");
+    PyObject *fast = checked_keys(seq, "add_many takes a list or tuple of keys", 0);
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -958,7 +944,7 @@ static PyObject *ko_touch(KeyOrder *self, PyObject *const *args, Py_ssize_t narg
 static PyObject *ko_remove_many(KeyOrder *self, PyObject *seq)
 {
     Table *t = &self->t;
-    PyObject *fast = checked_keys(seq, "remove_many takes a list or tuple of keys");
+    PyObject *fast = checked_keys(seq, "remove_many takes a list or tuple of keys", 0);
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
