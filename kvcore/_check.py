@@ -91,11 +91,13 @@ def watchdog(stage: str, seconds: float = STAGE_SECONDS) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 # Option sets the seeded simulations cycle through: calm, stormy (its copies on the
-# transfer engine's stand-in stream, retired by events), and under pressure.
+# transfer engine's stand-in stream, retired by events, some failed there by an injected
+# device error), and under pressure.
 PROFILES: tuple[dict[str, Any], ...] = (
     {"fail_rate": 0.0, "delay_rate": 0.0, "abort_rate": 0.0, "reset_rate": 0.0},
     {"fail_rate": 0.1, "delay_rate": 0.5, "abort_rate": 0.03, "reset_rate": 0.03,
-     "preempt_rate": 0.05, "events_rate": 0.5, "simulate_stream": True},
+     "preempt_rate": 0.05, "events_rate": 0.5, "simulate_stream": True,
+     "stream_fault_rate": 0.05},
     {"fail_rate": 0.05, "delay_rate": 0.3, "abort_rate": 0.0, "reset_rate": 0.05,
      "num_cpu_blocks": PRESSURE_SLOTS, "num_gpu_blocks": 700, "preempt_rate": 0.1,
      "events_rate": 0.2, "max_pending_events": 24},

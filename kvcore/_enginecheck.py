@@ -734,6 +734,16 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
         ("simulate_stream=2^64, one past the largest seed", engine(simulate_stream=1 << 64),
          ("simulate_stream",)),
         ("simulate_stream=True", engine(simulate_stream=True), ("simulate_stream",)),
+        ("simulate_faults=-0.1", engine(simulate_stream=1, simulate_faults=-0.1),
+         ("simulate_faults",)),
+        ("simulate_faults=1.5", engine(simulate_stream=1, simulate_faults=1.5),
+         ("simulate_faults",)),
+        ("simulate_faults=NaN", engine(simulate_stream=1, simulate_faults=float("nan")),
+         ("simulate_faults",)),
+        ("simulate_faults=True", engine(simulate_stream=1, simulate_faults=True),
+         ("simulate_faults",)),
+        ("simulate_faults without a stand-in stream", engine(simulate_faults=0.5),
+         ("simulate_faults",)),
         ("a group without tensors", engine([[] if h == g else ts for h, ts in enumerate(gpu)]),
          (f"gpu_tensors[{g}]",)),
         ("a list for a tensor", engine(with_tensor([[0] * 16] * n)), (where,)),
@@ -797,6 +807,8 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
             cfg, gpu, simulate_stream=0)),
         ("simulate_stream=2^64-1, the largest seed", lambda: TransferEngine(
             cfg, gpu, simulate_stream=(1 << 64) - 1)),
+        ("simulate_faults=1, every copy failed", lambda: TransferEngine(
+            cfg, gpu, simulate_stream=1, simulate_faults=1)),
     ]
     # Per-layer views of one packed tensor in a 2-block pool: rows interleave from two
     # blocks on, and views of one stride are told apart by their offsets alone.

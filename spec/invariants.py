@@ -215,6 +215,10 @@ class TransferOutcomeRecord:
     # The first pool whose bytes differ from the plan's copy (built by the caller from
     # ``spec.plans``' sequential mapping); None when they agree or were not compared.
     wrong_bytes: str | None = None
+    # The caller's harness failed this job's copy on purpose after it was enqueued (a
+    # device error injected into the stand-in stream): it must be reported failed (X1),
+    # and its failure is no refusal of a valid plan (X2).
+    injected: bool = False
 
 
 @dataclass(frozen=True)
@@ -583,6 +587,20 @@ def x1_failure_never_hit(r: FailureRecord) -> list[Violation]:
     return out
 
 
+def x1_fault_reported(r: TransferOutcomeRecord) -> list[Violation]:
+    """X1: a job whose copy failed is reported failed, with no bytes.
+
+    A failure the engine loses (reported on another job, or not at all) turns into a hit
+    whose bytes never landed: the wrong-bytes load of a failed store, or a request that
+    computes on over KV its failed load never wrote.
+    """
+    if r.injected and (r.success or r.moved_bytes != 0):
+        return [Violation("X1", f"job {r.job_id}'s copy failed (a device error injected "
+                          f"after it was enqueued) but the engine reported success="
+                          f"{r.success} with {r.moved_bytes} bytes", {"job": r.job_id})]
+    return []
+
+
 def x2_valid_setup_accepted(r: SetupRecord) -> list[Violation]:
     """X2: a valid set-up (config, options, tensors, CPU buffer, tier read-back) is accepted.
 
@@ -601,7 +619,10 @@ def x2_valid_plan_carried_out(r: TransferOutcomeRecord) -> list[Violation]:
 
     A refusal there is not a safe failure: the engine recomputes, but every store of that
     shape is lost and every load of it is a miss, so offloading silently stops paying.
+    A job the harness failed on purpose (``injected``) is X1's to judge.
     """
+    if r.injected:
+        return []
     if not r.success:
         return [Violation("X2", f"job {r.job_id}: the copy engine refused a valid plan: "
                           f"{(r.error or '?')[:200]}", {"job": r.job_id})]
@@ -851,7 +872,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     PlanRecord: (s1_plan_shape, s2_store_runs, b1_block_ids_in_range),
     FenceRecord: (f1_fence,),
     FailureRecord: (x1_failure_never_hit,),
-    TransferOutcomeRecord: (x2_valid_plan_carried_out,),
+    TransferOutcomeRecord: (x1_fault_reported, x2_valid_plan_carried_out),
     SetupRecord: (x2_valid_setup_accepted,),
     CopyCallRecord: (b1_copy_library_refuses, x2_copy_library_accepts),
     RefinementRecord: (r1_refines_reference,),

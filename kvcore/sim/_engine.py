@@ -37,6 +37,7 @@ from kvcore.spec.invariants import FailureRecord, TransferOutcomeRecord
 from kvcore.spec.plans import TransferPlan, sub_block_position
 from kvcore.spec.types import GroupKind, OffloadConfig, Status, cdiv
 from kvcore.transfer import TransferEngine
+from kvcore.transfer._stream import NO_FAULT, injected_fault
 
 # The largest CPU tier (in chunks) the simulator shadows with the reference manager.
 SHADOW_MAX_CHUNKS = 8192
@@ -137,7 +138,12 @@ class Simulator:
                                  device=device) for _ in range(opts.layers)]
                     for _ in cfg.groups]
         stream = opts.seed % (1 << 64) if opts.simulate_stream and device == "cpu" else None
-        self.transfer = TransferEngine(cfg, self.gpu, simulate_stream=stream)
+        # Injected device errors: which jobs fail is the seed's and the job id's to say
+        # (``injected_fault``), so the check below knows without asking the engine.
+        self._faults = (stream, opts.stream_fault_rate) if stream is not None else None
+        self.transfer = TransferEngine(cfg, self.gpu, simulate_stream=stream,
+                                       simulate_faults=self._faults[1] if self._faults
+                                       else 0.0)
         self.free_ids: list[int] = list(range(cfg.num_gpu_blocks - 1, 0, -1))
         self.prompts = PromptSource(self.rng, opts.context_tokens, opts.shared_prefix_rate,
                                     opts.aligned_prompt_rate,
@@ -564,9 +570,11 @@ class Simulator:
         for result in sorted(self.transfer.poll(), key=lambda r: r.job_id):
             if self.check:
                 plan = self.store_plans.get(result.job_id) or self.load_plans[result.job_id]
+                injected = self._faults is not None and injected_fault(
+                    self._faults[0], result.job_id, self._faults[1]) != NO_FAULT
                 enforce([TransferOutcomeRecord(result.job_id, self._plan_bytes(plan),
-                                               result.success, result.bytes, result.error)],
-                        self.checked)
+                                               result.success, result.bytes, result.error,
+                                               injected=injected)], self.checked)
             bad_worker = self.rng.randrange(workers) if (
                 not result.success or self.rng.random() < (opts.fail_rate or 0.0)) else -1
             for worker in range(workers):

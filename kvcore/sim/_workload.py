@@ -67,6 +67,9 @@ class SimOptions:
     # Copy through the transfer engine's stand-in stream (CPU only): jobs retire by
     # their events and their bytes land late, as on a GPU (``simulate_stream``).
     simulate_stream: bool = False
+    # Share of jobs whose copy the stand-in stream fails while it runs it (a device
+    # error, before or after the bytes land; ``simulate_faults``). Needs simulate_stream.
+    stream_fault_rate: float = 0.0
     layers: int = 2
     row_elems: int = 4
     max_steps: int = 20_000

@@ -65,15 +65,19 @@ class TransferEngine:
     stream order, and each is reported when its event has passed (``SimulatedStream``).
     ``kvcore check`` and the simulator use it so that the event path, and a result
     reported before its bytes land, are checked on every machine; engines leave it None.
+    ``simulate_faults`` (a share of jobs, 0..1; needs ``simulate_stream``) makes the stand-in
+    fail that share of copies while it runs them, as a device error would, before or after
+    their bytes land (``_stream.injected_fault`` says which jobs): each must be reported
+    failed with zero bytes, and every other job as before.
     """
 
     def __init__(self, config: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
                  *, pin_memory: bool | None = None, cuda_method: str = "auto",
                  max_queued_jobs: int = MAX_QUEUED_JOBS,
                  cpu_buffer: torch.Tensor | Sequence[torch.Tensor] | None = None,
-                 simulate_stream: int | None = None) -> None:
+                 simulate_stream: int | None = None, simulate_faults: float = 0.0) -> None:
         _check_options(config, gpu_tensors, pin_memory, cuda_method, max_queued_jobs,
-                       simulate_stream)
+                       simulate_stream, simulate_faults)
         self.config = config
         self.device = _setup.common_device(gpu_tensors)
         if simulate_stream is not None and self.device.type != "cpu":
@@ -93,7 +97,7 @@ class TransferEngine:
         if self.device.type == "cuda":
             self._open_cuda()
         elif simulate_stream is not None:
-            self._open_stream(SimulatedStream(simulate_stream), 0)
+            self._open_stream(SimulatedStream(simulate_stream, float(simulate_faults)), 0)
         self._cond = threading.Condition()
         self._pending: set[int] = set()
         self._done: list[TransferResult] = []

@@ -36,7 +36,7 @@ def cpu_capacity(config: OffloadConfig, group: int) -> int:
 
 def _check_options(config: object, gpu_tensors: object, pin_memory: object,
                    cuda_method: object, max_queued_jobs: object,
-                   simulate_stream: object = None) -> None:
+                   simulate_stream: object = None, simulate_faults: object = 0.0) -> None:
     """The constructor's arguments other than the tensors themselves: types and ranges."""
     if not isinstance(config, OffloadConfig):
         raise _bad("config", f"must be an OffloadConfig, not {type(config).__name__}")
@@ -60,6 +60,13 @@ def _check_options(config: object, gpu_tensors: object, pin_memory: object,
                                         or not 0 <= simulate_stream < 1 << 64):
         raise _bad("simulate_stream", f"{simulate_stream!r} must be None or a seed, an int "
                                       "in 0..2**64-1")
+    if isinstance(simulate_faults, bool) or not isinstance(simulate_faults, (int, float)) \
+            or not 0.0 <= simulate_faults <= 1.0:  # NaN fails the range test too
+        raise _bad("simulate_faults", f"{simulate_faults!r} must be a share of jobs, a number "
+                                      "in 0..1")
+    if simulate_faults > 0.0 and simulate_stream is None:
+        raise _bad("simulate_faults", f"is {simulate_faults!r} but there is no stand-in stream "
+                                      "to fail copies on: pass simulate_stream (a seed) too")
 
 
 

@@ -11,6 +11,12 @@ an event behind it is waited for, and a seeded number of steps further at each q
 a GPU progressing on its own would. An event that is unknown or destroyed raises, as the
 driver's error would; so does one recorded again while pending, which the driver allows
 but which would report the earlier job when the later one's copy is done.
+
+With ``faults`` > 0 the stand-in also fails copies on purpose, as a CUDA error raised
+while the stream runs a copy would (an illegal address, an ECC error): a seeded share of
+jobs fail there, half of them before any byte lands and half after every byte has. The
+choice is a function of the seed and the job id alone (``injected_fault``), so a checker
+knows which jobs the engine must report failed without asking the engine or the stream.
 """
 
 from __future__ import annotations
@@ -27,14 +33,39 @@ from kvcore._native import DescriptorTable, RegionTable
 MAX_EVENTS = 64
 
 
+# What ``injected_fault`` answers: no fault, a fault before the copy, one after it.
+NO_FAULT, FAULT_BEFORE, FAULT_AFTER = 0, 1, 2
+
+
 class StreamMisuse(RuntimeError):
     """The engine used an event as the CUDA driver would refuse (or silently get wrong)."""
+
+
+class SimulatedFault(RuntimeError):
+    """A copy the stand-in stream failed on purpose (``faults``), as a device error would."""
+
+
+def injected_fault(seed: int, job_id: int, faults: float) -> int:
+    """Whether the stand-in with ``seed`` and ``faults`` fails job ``job_id``'s copy, and
+    when: NO_FAULT, FAULT_BEFORE (nothing copied) or FAULT_AFTER (every byte copied).
+
+    Keyed by job, not by call order, so a checker can name the jobs that must fail from
+    its own records, whatever order the engine enqueued them in.
+    """
+    if faults <= 0.0:
+        return NO_FAULT
+    draw = random.Random(f"fault:{seed}:{job_id}")
+    if draw.random() >= faults:
+        return NO_FAULT
+    return FAULT_BEFORE if draw.random() < 0.5 else FAULT_AFTER
 
 
 class SimulatedStream:
     """One stream of deferred CPU copies and the events recorded on it (one thread)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, faults: float = 0.0) -> None:
+        self._seed = seed
+        self._faults = faults
         self._rng = random.Random(f"stream:{seed}")
         self._ops: deque[int | Callable[[], None]] = deque()  # an event's id, or a copy
         self._live: set[int] = set()
@@ -50,7 +81,16 @@ class SimulatedStream:
              method: int = 0, kernel_ctas: int = 0, **funnel: Any) -> None:
         """Validate now (KVCopyError, nothing queued); copy when the stream gets there."""
         _native.validate(regions, descs, **funnel)
-        self._ops.append(lambda: _native.copy(regions, descs, **funnel))
+        fault = injected_fault(self._seed, funnel.get("job_id", -1), self._faults)
+
+        def run() -> None:
+            if fault != FAULT_BEFORE:
+                _native.copy(regions, descs, **funnel)
+            if fault != NO_FAULT:
+                when = "before" if fault == FAULT_BEFORE else "after"
+                raise SimulatedFault(f"job {funnel.get('job_id')}: a device error injected "
+                                     f"{when} the copy (simulate_faults)")
+        self._ops.append(run)
 
     def event_create(self) -> int:
         if len(self._live) >= MAX_EVENTS:

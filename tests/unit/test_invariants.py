@@ -76,6 +76,7 @@ from kvcore.spec.invariants import (
     s1_plan_shape,
     s2_store_runs,
     x1_failure_never_hit,
+    x1_fault_reported,
     x2_copy_library_accepts,
     x2_valid_plan_carried_out,
     x2_valid_setup_accepted,
@@ -147,6 +148,10 @@ F1_OK = FenceRecord(allocated=frozenset({5, 6}), store_sources={1: frozenset({5}
 X1_OK = FailureRecord(failed_store_status={K[0]: Status.MISS},
                       failed_load_jobs=frozenset({4}), reported_load_jobs=frozenset({4}))
 X2_OK = TransferOutcomeRecord(job_id=7, planned_bytes=4096, success=True, moved_bytes=4096)
+# A job the harness failed on purpose, reported failed: X1 holds, and X2 does not call it
+# a refusal of a valid plan.
+X1_FAULT_OK = TransferOutcomeRecord(job_id=7, planned_bytes=4096, success=False, moved_bytes=0,
+                                    error="SimulatedFault: job 7", injected=True)
 X2_SETUP_OK = SetupRecord("TransferEngine: valid tensors", None)
 # Two pools of 4 rows of 64 bytes; the first refuses row 0 (the null block).
 POOLS = (Region(4096, 256, 64, 64, 4, 1), Region(8192, 256, 64, 64, 4, 0))
@@ -327,6 +332,14 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
         Across("a failed load not reported for recompute",
                replace(X1_OK, reported_load_jobs=frozenset()), "failed loads [4]"),
     ]),
+    (x1_fault_reported, X1_FAULT_OK, [
+        Across("a failed copy reported as landed",
+               replace(X1_FAULT_OK, success=True, moved_bytes=4096, error=None),
+               "reported success=True with 4096 bytes"),
+        Across("a failed copy reported with bytes", replace(X1_FAULT_OK, moved_bytes=1),
+               "success=False with 1 bytes"),
+    ]),
+    (x2_valid_plan_carried_out, X1_FAULT_OK, []),
     (x2_valid_plan_carried_out, X2_OK, [
         Across("the engine refused the plan",
                replace(X2_OK, success=False, moved_bytes=0, error="KVCopyError: code 11"),
