@@ -66,6 +66,8 @@ STAGE_SECONDS = 900.0
 # Hostile calls the "copy library" stage makes into the C library (about 0.15 ms each).
 COPY_CASES = 6000
 POLICIES = ("lru", "arc")
+# Every this-many-th simulation seed (the last of each run of four) drops the draft groups.
+SPECULATIVE_OFF_EVERY = 4
 
 
 class StageHang(AssertionError):
@@ -177,7 +179,11 @@ def sim_options(seed: int, context: int = 400) -> SimOptions:
     """The options ``kvcore check`` runs seed ``seed`` with (``simulate --check-options``).
 
     Profiles cycle fastest, then the policy, then the variants, so every 24 seeds cover
-    each (profile, policy) pair under every variant.
+    each (profile, policy) pair under every variant. Every fourth seed (3, 7, ..., 23: each
+    profile twice, both policies, three of the variants) serves the layout with
+    speculative decoding off, its draft groups dropped, since an engine may run the model
+    without its drafter, and there the rules the draft group's extra chunk otherwise
+    shadows (the N - 1 limit above all) decide the hit.
     """
     profile = PROFILES[seed % len(PROFILES)]
     policy = POLICIES[(seed // len(PROFILES)) % len(POLICIES)]
@@ -186,6 +192,8 @@ def sim_options(seed: int, context: int = 400) -> SimOptions:
     if share is not None:
         variant["max_offload_tokens"] = int(context * share)
     base: dict[str, Any] = {"num_cpu_blocks": 256, "num_gpu_blocks": 1500, "policy": policy}
+    if seed % SPECULATIVE_OFF_EVERY == SPECULATIVE_OFF_EVERY - 1:
+        base["speculative_off"] = True
     base.update(profile)
     base.update(variant)
     return SimOptions(seed=seed, requests=12, context_tokens=context, max_running=3,

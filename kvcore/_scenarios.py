@@ -33,6 +33,7 @@ from kvcore.scheduler import (
     WorkerReport,
 )
 from kvcore.sim._shadow import ShadowedManager
+from kvcore.sim._workload import speculative_off
 from kvcore.spec.types import (
     MAX_GPU_BLOCKS,
     GroupKind,
@@ -420,8 +421,17 @@ def crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
     largest group, unknown keys decide the answer or do not, and, in some cases, a
     second request is loading chunks the first would read. The settled cases (no key
     WRITING, nothing loading) come first, so a wrong hit is named by L1/E3/E4 before a
-    case with unknown keys can name it by L2.
+    case with unknown keys can name it by L2. A speculative layout is asked again with its
+    draft groups dropped (``speculative_off``), where the rules the draft group's extra
+    chunk shadows near a prompt's end (the N - 1 limit above all) decide the hit.
     """
+    _crafted_lookups(factory, config)
+    without = speculative_off(config)
+    if without is not None:
+        _crafted_lookups(factory, without)
+
+
+def _crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
     rng = random.Random(f"lookups:{config.name}:{len(config.groups)}")
     unit = unit_tokens(config)
     cfg = small(config, cpu=1 << 16)

@@ -31,7 +31,7 @@ from kvcore.sim import _kv
 from kvcore.sim._hostile import Hostile
 from kvcore.sim._lockstep import paired
 from kvcore.sim._shadow import ShadowedManager
-from kvcore.sim._workload import PromptSource, SimOptions
+from kvcore.sim._workload import PromptSource, SimOptions, speculative_off
 from kvcore.spec.errors import ConfigError, KVCoreError
 from kvcore.spec.invariants import FailureRecord, TransferOutcomeRecord
 from kvcore.spec.plans import TransferPlan, sub_block_position
@@ -113,6 +113,8 @@ class Simulator:
         if opts.max_pending_events is not None:
             overrides["max_pending_events"] = opts.max_pending_events
         from dataclasses import replace
+        if opts.speculative_off:
+            config = speculative_off(config) or config
         self.config = cfg = replace(config, **overrides)
         self.rng = random.Random(f"sim:{opts.seed}")
         policy = opts.policy or "lru"

@@ -7,7 +7,9 @@ covers calm runs and stormy ones.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+
+from kvcore.spec.types import OffloadConfig
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,11 @@ class SimOptions:
     prompt_only: bool = False
     max_offload_tokens: int | None = None
     request_cap_rate: float = 0.0
+    # Serve the layout with speculative decoding off, as an engine running the same model
+    # without its EAGLE/MTP drafter does: the draft groups are dropped (no-op for a
+    # layout without them, or of draft groups only). Then the N - 1 limit, not the draft
+    # group's extra chunk, keeps a prompt's last chunk from being a hit.
+    speculative_off: bool = False
     # Share of admissions whose first tokens the engine's GPU prefix cache already holds
     # (the lookup's computed_tokens > 0).
     gpu_cache_rate: float = 0.0
@@ -93,6 +100,20 @@ class SimOptions:
             if values[name] is None:
                 values[name] = value
         return SimOptions(**values)
+
+
+def speculative_off(config: OffloadConfig) -> OffloadConfig | None:
+    """``config`` as an engine serving the same model without its EAGLE/MTP drafter has it:
+    the draft groups dropped; None where that leaves the layout unchanged or empty.
+
+    The draft group's extra chunk keeps the hit at least one of its chunks below a
+    prompt's end, which shadows the N - 1 limit and the window rules near the end: with
+    the drafter on, a mistake there changes nothing; with it off, it changes the hit.
+    """
+    kept = tuple(g for g in config.groups if not g.is_draft)
+    if not config.speculative or not kept or len(kept) == len(config.groups):
+        return None
+    return replace(config, groups=kept, speculative=False, draft_kv_elsewhere=False)
 
 
 @dataclass

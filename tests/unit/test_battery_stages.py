@@ -366,3 +366,44 @@ def test_the_step_fence_feeds_f1_only_when_checking() -> None:
             sim.transfer.close()
         counts[check] = sim.scheduler.checked.get("F1", 0)
     assert counts[True] > 0 and counts[False] == 0, counts
+
+
+def _no_n_minus_1(cfg: Any, num_tokens: int) -> int:
+    """The N - 1 limit dropped (held-out seeds 41's m19 and 43's m08): a window layout may
+    answer a prompt's whole length, whose last token's logits nobody computes."""
+    from kvcore.scheduler._rules import mamba_chunk
+    mamba = mamba_chunk(cfg)
+    return num_tokens // mamba * mamba if mamba else num_tokens
+
+
+def test_crafted_lookups_ask_the_layout_without_its_drafter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On deepseek-v4-mtp the draft group's extra chunk keeps every hit a chunk below the
+    prompt's end, so the N - 1 limit never decides a hit there and its removal survived
+    the check. The directed lookups ask the same layout with speculative decoding off
+    too, where the limit decides: L1 names it."""
+    from kvcore import _scenarios
+    from kvcore.scheduler import _lookup
+    _scenarios.crafted_lookups(OffloadScheduler, preset(DEFAULT))  # correct code passes
+    monkeypatch.setattr(_lookup, "lookup_limit", _no_n_minus_1)
+    with pytest.raises(InvariantViolation, match="L1"):
+        _scenarios.crafted_lookups(OffloadScheduler, preset(DEFAULT))
+
+
+def test_speculative_off_drops_only_the_draft_groups() -> None:
+    """Every fourth simulation seed serves the layout without its drafter: the draft
+    groups go, the rest stay in order, and a layout without drafts is left alone."""
+    from kvcore.sim import Simulator
+    from kvcore.sim._workload import speculative_off
+    cfg = preset(DEFAULT)
+    off = speculative_off(cfg)
+    assert off is not None and not off.speculative
+    assert off.groups == tuple(g for g in cfg.groups if not g.is_draft)
+    assert speculative_off(off) is None and speculative_off(preset("gemma3")) is None
+    flagged = [s for s in range(24) if _check.sim_options(s).speculative_off]
+    assert flagged == [3, 7, 11, 15, 19, 23]
+    sim = Simulator(cfg, _check.stage_options(3, cfg))
+    try:
+        assert sim.config.groups == off.groups
+    finally:
+        sim.transfer.close()
