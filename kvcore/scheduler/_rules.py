@@ -146,21 +146,6 @@ def store_end(cfg: OffloadConfig, group: int, frontier: int, storable: int) -> i
     return end
 
 
-def chunk_reachable(cfg: OffloadConfig, group: int, chunk: int) -> bool:
-    """False for a SLIDING chunk no lookup at a segment end can read.
-
-    The kept chunks are derived from the lookup rule (``keep_rule``): for a draft group
-    they include the first chunk of the next segment (its extra chunk), and for an engine
-    that keeps ``extra_retained_tokens`` they reach further back. Keeping "the segment's
-    last W + 1" instead, as upstream's fix for #53951 does, stores a chunk no lookup reads
-    and never the extra chunk a draft lookup needs. The trade-off is deliberate: a hit is
-    rounded down to a segment end, so a request whose draft tail keeps the last segment
-    end out of reach is served one segment less.
-    """
-    rule = keep_rule(cfg, group)
-    return rule is None or chunk % rule[0] in rule[1]
-
-
 _KEEP_CACHE: dict[tuple[int, int], tuple[OffloadConfig, tuple[int, KeptOffsets] | None]] = {}
 _KEEP_CACHE_LIMIT = 256
 
@@ -198,6 +183,14 @@ def _keep_rule(cfg: OffloadConfig, group: int) -> tuple[int, KeptOffsets] | None
     kept offsets fill the segment. Only ``keep_rule`` calls it, for a SLIDING group with
     alignment on (that test is made once, there: a second copy here made the first one
     untestable).
+
+    For a draft group the kept chunks include the first chunk of the next segment (its
+    extra chunk), and for an engine that keeps ``extra_retained_tokens`` they reach
+    further back. Keeping "the segment's last W + 1" instead, as upstream's fix for
+    #53951 does, stores a chunk no lookup reads and never the extra chunk a draft lookup
+    needs. The trade-off is deliberate: a hit is rounded down to a segment end, so a
+    request whose draft tail keeps the last segment end out of reach is served one
+    segment less.
     """
     g = cfg.groups[group]
     full_sizes = {x.tokens_per_chunk for x in cfg.groups if x.kind is GroupKind.FULL}

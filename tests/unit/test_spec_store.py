@@ -31,7 +31,6 @@ from spec_strategies import FULL, HIT, MAMBA, MISS, SLIDING, configs, make_confi
 from kvcore.scheduler import _rules
 from kvcore.scheduler._rules import (
     GroupOffer,
-    chunk_reachable,
     chunk_source_blocks,
     group_offer,
     keep_rule,
@@ -48,6 +47,13 @@ from kvcore.spec.invariants import (
 from kvcore.spec.lookup import hit_for, needed_chunks, read_at_segment_end
 from kvcore.spec.model import store_walk
 from kvcore.spec.types import GroupSpec, KeptOffsets, OffloadConfig, cdiv
+
+
+def chunk_reachable(cfg: OffloadConfig, group: int, chunk: int) -> bool:
+    """kvcore's keep rule as a per-chunk predicate: whether its store keeps ``chunk``."""
+    rule = keep_rule(cfg, group)
+    return rule is None or chunk % rule[0] in rule[1]
+
 
 # -- driver -------------------------------------------------------------------------------
 
