@@ -93,11 +93,14 @@ def _layout(config: OffloadConfig, widen: int = 1) -> OffloadConfig:
 
 def _tensors(config: OffloadConfig, rng: random.Random) -> list[list[torch.Tensor]]:
     """Per group: two per-layer tensors (uint8 and float16 rows), or on odd groups two
-    per-layer views of one packed tensor (strided rows), filled with random bytes."""
+    per-layer views of one packed tensor (strided rows), or on every third group one
+    tensor alone (an engine's one packed cache per group), filled with random bytes."""
     n = config.num_gpu_blocks
     out: list[list[torch.Tensor]] = []
     for g in range(len(config.groups)):
-        if g % 2:
+        if g % 3 == 2:
+            ts = [torch.empty((n, 24), dtype=torch.uint8)]
+        elif g % 2:
             packed = torch.empty((n, 2, 8), dtype=torch.uint8)
             ts = [packed[:, 0], packed[:, 1]]
         else:
@@ -439,6 +442,7 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
             if job % 40 == 0:
                 _rebinds(bench, rng, cases + job)
         _read_back(bench)
+        _accessors(bench)
         _wait_limits(bench)
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
@@ -515,6 +519,35 @@ def _read_back(bench: _Bench) -> None:
             enforce([BadCallRecord(f"read_cpu_chunk{args!r}", _name(raised),
                                    isinstance(raised, KVCoreError), False, wrong)],
                     bench.checked)
+
+
+def _accessors(bench: _Bench) -> None:
+    """The tier's size accessors: ``num_tensors``, ``pinned_bytes`` per group and in all,
+    and ``cpu_tier_bytes`` must answer what the engine was built with (X2: an engine
+    sizing its own buffers from them gets the truth); a group past the engine's, a
+    negative one or a bool must be refused naming ``group`` (A1)."""
+    engine, groups = bench.engine, len(bench.caps)
+    sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in bench.model.cpu]
+    answers: list[tuple[str, Callable[[], int], int]] = []
+    for g in range(groups):
+        answers.append((f"num_tensors({g})", partial(engine.num_tensors, g), len(bench.gpu[g])))
+        answers.append((f"pinned_bytes({g})", partial(engine.pinned_bytes, g), sizes[g]))
+    answers.append(("pinned_bytes()", engine.pinned_bytes, sum(sizes)))
+    answers.append(("cpu_tier_bytes()", engine.cpu_tier_bytes, sum(sizes)))
+    for call, ask, want in answers:
+        got = _valid(call, ask, bench.checked)
+        enforce([SetupRecord(f"{call} answers {want}", None if got == want
+                             else f"answered {got!r}")], bench.checked)
+    for name in ("num_tensors", "pinned_bytes"):
+        for group in (groups, -1, True):
+            raised: BaseException | None = None
+            try:
+                getattr(engine, name)(group)
+            except Exception as exc:  # judged by the record
+                raised = exc
+            enforce([BadCallRecord(f"{name}({group!r})", _name(raised),
+                                   isinstance(raised, KVCoreError), False,
+                                   _named(raised, "group"))], bench.checked)
 
 
 def _failed_job(result: TransferResult, refusal: str | None) -> str:
