@@ -47,8 +47,10 @@ Apply = Callable[[], contextlib.AbstractContextManager[Any]]
 
 # The state machine runs last: it shrinks what it finds, which for a crash can take
 # minutes, and a stage before it (the refinement above all) may name the failure first.
+# The canaries come after it, only in a user's ``kvcore check``: they ask whether the
+# checks themselves are live, once every stage has found the code itself correct.
 STAGES = ("set-up", "directed", "simulations", "refinement", "bad calls", "copy library",
-          "transfer engine", "state machine")
+          "transfer engine", "state machine", "canaries")
 # Seeds the "bad calls" stage runs (each with at most 60 bad twins of real calls), every
 # HOSTILE_STRIDE-th one: 6 seeds 5 apart meet every variant, profile and policy, where
 # seeds 0..5 would meet the first variant only.
@@ -56,6 +58,9 @@ HOSTILE_SEEDS = 6
 HOSTILE_STRIDE = 5
 # Failure kinds that do not say which rule broke; the battery goes on past them.
 UNNAMED = ("crash", "liveness")
+# Failure kinds whose ids were not violated by the code under test: no id evaluated
+# (coverage), or an id whose check did not fire on a bug planted to break it (canary).
+NOT_VIOLATIONS = ("coverage", "canary")
 # The pressure profile's and the bad-calls stage's tier: slots per group (``pressure_slots``
 # shrinks it, never below the minimum, for layouts whose runs store few chunks).
 PRESSURE_SLOTS = 48
@@ -423,12 +428,39 @@ def run_engine_stage(config: OffloadConfig, result: BatteryResult, preset: str, 
                                  "set-up" if setup else "transfer engine", "0")
 
 
+def run_canaries(config: OffloadConfig, result: BatteryResult, *, preset: str, seeds: int,
+                 examples: int, steps: int) -> None:
+    """Are the checks live on this layout? Each bug-zoo mutant that can matter here is
+    planted in turn, and the battery must name it by the check it declares.
+
+    A check that is switched off or fed the wrong record (``if self.check`` inverted, a
+    record built from the wrong value) breaks no rule itself, so every other stage passes
+    it; but an engine relying on ``KVCORE_CHECK=1`` is then unprotected. The battery under
+    a mutant stops at its first failure, which for each of them on the presets is the
+    directed stage or the first simulation seed: a few seconds in all.
+    """
+    for mutant in MUTANTS:
+        outcome = run_mutant(mutant, {preset: config}, seeds=seeds, examples=examples,
+                             steps=steps)
+        if outcome.ok:
+            continue
+        result.failure = Failure(
+            "canary", [mutant.expect],
+            f"the check of {mutant.expect} is not live: the planted bug {mutant.name!r} "
+            f"({mutant.origin}) was {outcome.describe()}, not caught by {mutant.expect} as "
+            "declared", f"kvcore check --no-proofs {layout_flag(preset)} --mutants",
+            "canaries", mutant.name)
+        return
+
+
 def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int,
                 steps: int, factory: Any = None, shrink: bool = True,
-                progress: Progress | None = None, apply: Apply | None = None
-                ) -> BatteryResult:
+                progress: Progress | None = None, apply: Apply | None = None,
+                canaries: bool = False) -> BatteryResult:
     """Every stage in order, stopping at the first failure; ``progress`` gets one line per
-    stage as it ends. ``apply`` (a mutant's) is entered afresh per stage and per seed."""
+    stage as it ends. ``apply`` (a mutant's) is entered afresh per stage and per seed.
+    ``canaries`` (``kvcore check``'s own run; never under a mutant) ends with the bug
+    zoo, each mutant of which must be caught by its declared check."""
     start = time.perf_counter()
     result = BatteryResult()
     if apply is None:
@@ -448,9 +480,13 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
         "copy library": lambda: run_copy(config, COPY_CASES, result, preset),
         "set-up": lambda: run_engine_stage(config, result, preset, setup=True),
         "transfer engine": lambda: run_engine_stage(config, result, preset, setup=False),
+        "canaries": lambda: run_canaries(config, result, preset=preset, seeds=seeds,
+                                         examples=examples, steps=steps),
     }
     unnamed: Failure | None = None
     for stage in STAGES:
+        if stage == "canaries" and (not canaries or unnamed is not None):
+            continue  # a run that crashed or hung cannot tell a dead check from that
         t0 = time.perf_counter()
         try:
             with watchdog(stage):
@@ -501,7 +537,7 @@ def unchecked(result: BatteryResult, reproducer: str = "") -> Failure | None:
 def invariant_table(result: BatteryResult) -> dict[str, dict[str, int]]:
     # A coverage failure's ids were never evaluated, not violated.
     broken = set(result.failure.ids) if result.failure and \
-        result.failure.kind != "coverage" else set()
+        result.failure.kind not in NOT_VIOLATIONS else set()
     return {i: {"checked": result.checked.get(i, 0), "violations": int(i in broken)}
             for i in INVARIANT_IDS}
 

@@ -32,6 +32,7 @@ EXIT_INCONCLUSIVE = 5
 EXIT_CODES_HELP = """exit codes:
   0  clean
   1  a correctness failure: an invariant, byte integrity, a failed proof, a surviving mutant
+     or a check that is not live (a planted bug its check did not catch)
   2  bad usage or config (reported in one line; nothing, or nothing more, was run)
   3  liveness: a run did not settle
   4  a crash inside kvcore (the traceback goes to a file whose path is printed)
@@ -40,7 +41,8 @@ EXIT_CODES_HELP = """exit codes:
 # Every parser's --help ends with the exit codes, laid out as written.
 _HELP: dict[str, Any] = {"epilog": EXIT_CODES_HELP,
                          "formatter_class": argparse.RawDescriptionHelpFormatter}
-KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "coverage": EXIT_INCONCLUSIVE,
+KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "canary": EXIT_FAIL,
+             "coverage": EXIT_INCONCLUSIVE,
              "liveness": EXIT_LIVENESS, "crash": EXIT_CRASH}
 
 # Bounds of the numeric options. Each is far above what a useful run asks for, so only a
@@ -218,8 +220,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     print("battery:", flush=True)
     # Reproducers name the layout as the user did: the preset, or the TOML file's path.
     ref = args.config or name
+    # With --mutants the whole zoo runs below, reported mutant by mutant; without it the
+    # battery's last stage plants each and asks that its check is live.
     result = _check.run_battery(config, preset=ref, seeds=args.seeds,
-                                examples=args.examples, steps=args.steps, progress=progress)
+                                examples=args.examples, steps=args.steps, progress=progress,
+                                canaries=not args.mutants)
     table = _check.invariant_table(result)
     report["invariants"] = table
     report["seconds"] = round(result.seconds, 2)

@@ -9,8 +9,10 @@ tree, and reports two kill rates over a seeded sample:
     any failure kills; a run longer than ``--hang-factor`` times the unmutated run counts
     as a kill by timeout (a mutant that loops), and is shown as such.
 (b) ``kvcore check --no-proofs`` on the default preset, the contract engines rely on: only
-    exit code 1 with a named invariant or byte-integrity failure kills. A crash, a
-    traceback, a liveness exit or a timeout is not a kill.
+    exit code 1 with a named invariant, byte-integrity or canary failure kills (a canary
+    names the invariant whose run-time check did not catch the zoo bug planted for it),
+    or exit 5 naming an invariant no stage evaluated. A crash, a traceback, a liveness
+    exit or a timeout is not a kill.
 
 Why cosmic-ray plus a little of our own. The Python mutants come from cosmic-ray (a
 maintained mutation tool): ``cosmic-ray init`` enumerates them and ``cosmic-ray apply``
@@ -79,8 +81,8 @@ C_SWAPS = [("<=", "<"), (">=", ">"), ("==", "!="), ("!=", "=="), ("&&", "||"), (
 C_SINGLE = [(re.compile(r"(?<![<>-])<(?![<=])"), "<="), (re.compile(r"(?<![<>-])>(?![>=])"), ">=")]
 # A named failure (exit 1), or an invariant no stage evaluated (exit 5: the run is not
 # "ok", and it names the rule).
-INVARIANT_FAIL = re.compile(r"^(?:FAILED \((invariant|integrity)|INCONCLUSIVE \((coverage)): "
-                            r"([^)]+)\)", re.M)
+INVARIANT_FAIL = re.compile(r"^(?:FAILED \((invariant|integrity|canary)"
+                            r"|INCONCLUSIVE \((coverage)): ([^)]+)\)", re.M)
 
 
 @dataclass

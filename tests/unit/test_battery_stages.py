@@ -407,3 +407,40 @@ def test_speculative_off_drops_only_the_draft_groups() -> None:
         assert sim.config.groups == off.groups
     finally:
         sim.transfer.close()
+
+
+def test_the_canaries_name_a_check_that_is_not_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the lookup's run-time check switched off (held-out seed 44's m33, ``if
+    self.check`` inverted before ``_check_lookup``). The code still answers right, so no
+    other stage can fail; the canaries plant the zoo's lookup bugs and find them caught
+    by R1 instead of the ids they declare. The failure names the dead check's id, exits
+    1, and is not counted as a violation of that id in the table."""
+    from kvcore import cli
+    cfg = preset(DEFAULT)
+    live = _check.BatteryResult()
+    _check.run_canaries(cfg, live, preset=DEFAULT, seeds=24, examples=5, steps=10)
+    assert live.failure is None
+    monkeypatch.setattr(OffloadScheduler, "_check_lookup", lambda self, *a, **k: None)
+    dead = _check.BatteryResult()
+    _check.run_canaries(cfg, dead, preset=DEFAULT, seeds=24, examples=5, steps=10)
+    failure = dead.failure
+    assert failure is not None and failure.kind == "canary" and failure.stage == "canaries"
+    assert failure.ids[0] in ("E3", "E4", "L1", "L2", "J1") and "not live" in failure.message
+    assert "--mutants" in failure.reproducer
+    table = _check.invariant_table(dead)
+    assert all(row["violations"] == 0 for row in table.values())
+    assert cli._report_failure(failure) == cli.EXIT_FAIL
+
+
+def test_the_canaries_run_only_in_a_users_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a zoo mutant the battery must not plant the zoo again (it would recurse), and
+    a battery that crashed or hung cannot tell a dead check apart from that, so it skips
+    them; a user's run (``canaries=True``) ends with them."""
+    ran: list[str] = []
+    monkeypatch.setattr(_check, "STAGES", ("canaries",))
+    monkeypatch.setattr(_check, "run_canaries", lambda *a, **k: ran.append("canaries"))
+    _check.run_battery(preset(DEFAULT), preset=DEFAULT, seeds=1, examples=1, steps=1)
+    assert ran == []
+    _check.run_battery(preset(DEFAULT), preset=DEFAULT, seeds=1, examples=1, steps=1,
+                       canaries=True)
+    assert ran == ["canaries"]
