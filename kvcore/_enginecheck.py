@@ -388,7 +388,9 @@ class _Bench:
         """The jobs' results once all have finished, in the order asked (taken off the
         engine's poll queue); a job reported no result, or twice, as a failed one."""
         try:
-            done = [r for r in self.engine.wait(jobs, timeout=JOB_SECONDS) if r.job_id in jobs]
+            done = [r for r in _valid(f"wait({list(jobs)[:4]}, timeout={JOB_SECONDS:.0f})",
+                                      partial(self.engine.wait, jobs, timeout=JOB_SECONDS),
+                                      self.checked) if r.job_id in jobs]
         except TimeoutError:  # a job never reported: failed below, not a hang
             done = [r for r in self.engine.poll() if r.job_id in jobs]
         self.engine.poll()
@@ -873,9 +875,16 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
             checked)
     # A group no pool serves has no room: past the 64 groups a key can name (flat), past
     # the config's groups (sized for it), or negative.
-    sized = CPUOffloadManager.for_config(config)
-    outside = [flat.capacity_of(64), flat.capacity_of(-1), sized.capacity_of(len(config.groups)),
-               sized.capacity_of(-1)]
+    sized = _valid("CPUOffloadManager.for_config", partial(CPUOffloadManager.for_config, config),
+                   checked)
+    per_group = [_valid(f"for_config: capacity_of({g})", partial(sized.capacity_of, g),
+                        checked) for g in range(len(config.groups))]
+    enforce([SetupRecord("for_config: every group's pool holds the config's slots",
+                         None if per_group == [config.num_cpu_blocks] * len(per_group)
+                         else f"capacities {per_group}")], checked)
+    outside = [_valid(f"capacity_of({g}) of a group no pool serves", partial(m.capacity_of, g),
+                      checked)
+               for m, g in ((flat, 64), (flat, -1), (sized, len(config.groups)), (sized, -1))]
     enforce([SetupRecord("capacity_of a group no pool serves is 0",
                          None if outside == [0, 0, 0, 0] else f"capacities {outside}")],
             checked)

@@ -355,3 +355,49 @@ def test_a_negative_wait_limit_let_through_is_caught(monkeypatch: pytest.MonkeyP
         return real(where, timeout)
     monkeypatch.setattr(_engine, "_timeout", lax)
     assert "drain(timeout=-" in caught("A1")
+
+
+def test_a_pool_size_lost_per_group_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant (held-out seed 44's m03): ``capacity_of``'s range test inverted for a
+    manager sized per group, so every group it serves answers 0 (and one it does not
+    serve raises IndexError). The set-up stage asks each group of ``for_config`` through
+    ``_valid``: X2, where the stage crashed before."""
+    from kvcore.manager import _cpu
+
+    def inverted(self: Any, group: int) -> int:
+        if self._per_group is not None:
+            return self._per_group[group] if not 0 <= group < len(self._per_group) else 0
+        return self._capacity if 0 <= group < _cpu.MAX_GROUPS else 0
+    monkeypatch.setattr(_cpu.CPUOffloadManager, "capacity_of", inverted)
+    assert "every group's pool holds the config's slots" in caught(
+        "X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_the_tier_accessors_are_compared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant (held-out seed 44's m43): ``num_tensors`` asks for tensor 1, refusing a
+    group of one tensor (the stage's third group is one); and a ``pinned_bytes`` a row
+    short (the set-up stage sees that one too, in the CPU buffer it sizes). Both are X2: a
+    valid question not answered, or answered wrong."""
+    monkeypatch.setattr(_engine.TransferEngine, "num_tensors",
+                        lambda self, group: (self._registered(group, 1), 2)[1])
+    assert "num_tensors(2)" in caught("X2")
+    monkeypatch.undo()
+    real = _engine.TransferEngine.pinned_bytes
+    monkeypatch.setattr(_engine.TransferEngine, "pinned_bytes",
+                        lambda self, group=None: real(self, group) - (group == 1))
+    assert "pinned_bytes(1)" in caught("X2", lambda: _enginecheck.run_transfer_engine(
+        preset(DEFAULT), _enginecheck.ENGINE_CASES, {}))
+
+
+def test_a_valid_wait_refused_is_named_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant (held-out seed 44's m45): the wait limit's range test inverted, so every
+    finite limit is refused. The stage's own waits go through ``_valid``: X2 names it,
+    where the battery only crashed before."""
+    real = _engine._timeout
+
+    def inverted(where: str, timeout: object) -> float | None:
+        if isinstance(timeout, float | int) and 0 <= timeout < float("inf"):
+            raise _engine._bad(f"{where}(timeout)", f"{timeout} is outside the range")
+        return real(where, timeout)
+    monkeypatch.setattr(_engine, "_timeout", inverted)
+    assert "wait([" in caught("X2")
