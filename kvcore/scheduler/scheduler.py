@@ -545,21 +545,30 @@ class OffloadScheduler:
             partial = (quiet, busy)
         draft = _store.draft_store(self.config, req, frontier, self._stale, storable,
                                    partial)
+        built = self._offer(req, draft)
+        if self.check:
+            # One check for every outcome (nothing offered, no room, nothing new, a job):
+            # E1/E2 on the offer and the cursor move; on a job also S1/S2/B1, and J1 when
+            # the job is created, not only at the next lookup.
+            records = _store.store_records(self.config, draft, built, req.cursors)
+            if built is not None:
+                records.append(JobTableRecord(req.request_id,
+                                              self._kinds_in_flight(req.request_id)))
+            self._enforce(records)
+        return None if built is None else built.plan
+
+    def _offer(self, req: RequestState, draft: _store.StoreDraft) -> _store.BuiltStore | None:
+        """Offer the draft's keys to the tier and build a job for those it takes; the
+        cursors move unless the tier had no room (the chunks are offered again later)."""
         if not draft.keys:
             self._move_cursors(req, draft)
-            if self.check:
-                self._enforce(_store.store_records(self.config, draft, None, req.cursors))
             return None
         out = self.manager.prepare_store(list(draft.keys))
         if out is None:
             self._stats.store_skipped_no_room += 1
-            if self.check:
-                self._enforce(_store.store_records(self.config, draft, None, req.cursors))
             return None
         self._move_cursors(req, draft)
         if not out.keys_to_store:
-            if self.check:
-                self._enforce(_store.store_records(self.config, draft, None, req.cursors))
             return None
         accepted = dict(zip(out.keys_to_store, out.slots, strict=True))
         built = _store.build_store(self.config, req, draft, self._jobs.new_id(), accepted)
@@ -568,10 +577,7 @@ class OffloadScheduler:
         req.jobs.add(built.plan.job_id)
         self._stats.stores += 1
         self._stats.chunks_stored += len(out.keys_to_store)
-        if self.check:  # J1 when the job is created, not only at the next lookup
-            self._enforce([*_store.store_records(self.config, draft, built, req.cursors),
-                           JobTableRecord(req.request_id, self._kinds_in_flight(req.request_id))])
-        return built.plan
+        return built
 
     @staticmethod
     def _move_cursors(req: RequestState, draft: _store.StoreDraft) -> None:
