@@ -142,10 +142,10 @@ class Simulator:
         stream = opts.seed % (1 << 64) if opts.simulate_stream and device == "cpu" else None
         # Injected device errors: which jobs fail is the seed's and the job id's to say
         # (``injected_fault``), so the check below knows without asking the engine.
-        self._faults = (stream, opts.stream_fault_rate) if stream is not None else None
+        self._stream_seed = stream or 0
+        self._fault_rate = opts.stream_fault_rate if stream is not None else 0.0
         self.transfer = TransferEngine(cfg, self.gpu, simulate_stream=stream,
-                                       simulate_faults=self._faults[1] if self._faults
-                                       else 0.0)
+                                       simulate_faults=self._fault_rate)
         self.free_ids: list[int] = list(range(cfg.num_gpu_blocks - 1, 0, -1))
         self.prompts = PromptSource(self.rng, opts.context_tokens, opts.shared_prefix_rate,
                                     opts.aligned_prompt_rate,
@@ -572,8 +572,8 @@ class Simulator:
         for result in sorted(self.transfer.poll(), key=lambda r: r.job_id):
             if self.check:
                 plan = self.store_plans.get(result.job_id) or self.load_plans[result.job_id]
-                injected = self._faults is not None and injected_fault(
-                    self._faults[0], result.job_id, self._faults[1]) != NO_FAULT
+                injected = injected_fault(self._stream_seed, result.job_id,
+                                          self._fault_rate) != NO_FAULT
                 enforce([TransferOutcomeRecord(result.job_id, self._plan_bytes(plan),
                                                result.success, result.bytes, result.error,
                                                injected=injected)], self.checked)

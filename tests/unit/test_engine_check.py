@@ -401,3 +401,15 @@ def test_a_valid_wait_refused_is_named_not_a_crash(monkeypatch: pytest.MonkeyPat
         return real(where, timeout)
     monkeypatch.setattr(_engine, "_timeout", inverted)
     assert "wait([" in caught("X2")
+
+
+def test_a_wait_that_times_out_is_judged_as_lost_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait that times out is no refusal of the call: the stage's own waits let
+    TimeoutError through ``_valid`` (``passes``), and the jobs never reported are failed
+    results, named by their plans' X2 record, not as a valid wait refused."""
+    def lost(self: Any, job_ids: Any, timeout: float | None = None) -> list[Any]:
+        raise TimeoutError("jobs lost")
+    monkeypatch.setattr(_engine.TransferEngine, "wait", lost)
+    message = caught("X2", lambda: _enginecheck.run_transfer_engine(
+        preset(DEFAULT), _enginecheck.ENGINE_CASES, {}))
+    assert "0 results reported" in message and "wait(" not in message
