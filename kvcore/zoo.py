@@ -27,7 +27,7 @@ from kvcore.scheduler import (
 from kvcore.scheduler import scheduler as _sched
 from kvcore.scheduler._lookup import Convergence
 from kvcore.scheduler._rules import GroupOffer
-from kvcore.scheduler._state import JobTable, StaleWindows
+from kvcore.scheduler._state import GroupKeys, Job, JobTable, StaleWindows
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import Skip, TraceEntry, Violation
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
@@ -47,7 +47,11 @@ class Mutant:
     ``expect`` is the check that must catch it (an invariant id, or ``integrity``);
     ``applies`` says whether the bug can change behaviour on a layout at all (else the
     mutant is reported "n/a on this layout"); ``layouts`` are the presets (or zoo
-    layouts, ``LAYOUTS``) it is run on when the user names none.
+    layouts, ``LAYOUTS``) it is run on when the user names none. ``at_runtime``: the
+    catch must come from a hook's own check (what ``KVCORE_CHECK=1`` gives an engine),
+    not from a harness beside it; False where only a harness can see the bug (a
+    scheduler told a failed copy succeeded cannot know better; wrong bytes show only
+    when read back).
     """
 
     name: str
@@ -56,6 +60,7 @@ class Mutant:
     expect: str
     apply: Callable[[], contextlib.AbstractContextManager[Factory | None]]
     applies: Callable[[OffloadConfig], bool] = _always
+    at_runtime: bool = True
 
 
 # -- store rules -------------------------------------------------------------------------
@@ -309,6 +314,26 @@ def _store_ignores_loads(original: Any) -> Any:
     return _store_step
 
 
+def _keys_without_group(original: Any) -> Any:
+    """Every group's keys made as group 0's: the chunk hash alone names the bytes."""
+    def __init__(self: GroupKeys, hashes: Any, hashes_per_chunk: int, _group: int) -> None:
+        original(self, hashes, hashes_per_chunk, 0)
+    return __init__
+
+
+def _load_starts_late(original: Any) -> Any:
+    """A load's first block one past the first unfilled one (none when that is the end)."""
+    def first_unfilled(table: Any, valid_blocks: int, end: int) -> int:
+        return min(int(original(table, valid_blocks, end)) + 1, end)
+    return first_unfilled
+
+
+def _first_report_settles(_original: Any) -> Any:
+    def settled(self: Job, _num_workers: int) -> bool:
+        return True
+    return settled
+
+
 @contextlib.contextmanager
 def _factory(cls: type[OffloadScheduler]) -> Iterator[Factory]:
     yield cls
@@ -361,6 +386,10 @@ def _has_draft(cfg: OffloadConfig) -> bool:
 
 def _has_plain(cfg: OffloadConfig) -> bool:
     return any(not g.is_draft for g in cfg.groups)
+
+
+def _several_groups(cfg: OffloadConfig) -> bool:
+    return len(cfg.groups) > 1
 
 
 def _has_window(cfg: OffloadConfig) -> bool:
@@ -419,20 +448,21 @@ MUTANTS: tuple[Mutant, ...] = (
            _draft_then_other),
     Mutant("failed-transfer-counted", "dynamo#15079: a failed transfer counted as done",
            ("gpt-oss", V4), "X1",
-           _method_patch(OffloadScheduler, "_complete", _failed_counted_as_done)),
+           _method_patch(OffloadScheduler, "_complete", _failed_counted_as_done),
+           at_runtime=False),
     Mutant("unchecked-block-id", "vllm#44780: an out-of-range block id reaches the copy",
            ("gpt-oss", V4), "B1", _method_patch(_store, "build_store", _unchecked_block_id)),
     Mutant("finished-stores-unwritten", "vllm#54288: a finished request stores tokens "
            "whose KV was never written", ("llama3-eagle3", V4), "integrity",
-           lambda: _factory(_FinishStoresUnwritten), _has_draft),
+           lambda: _factory(_FinishStoresUnwritten), _has_draft, at_runtime=False),
     Mutant("stale-window-block-stored", "vllm: a freed, re-allocated window block stored "
            "under its old key", ("gpt-oss", V4), "integrity",
            _method_patch(StaleWindows, "zero_stale", _no_stale_zeroing),
-           _has_window),
+           _has_window, at_runtime=False),
     Mutant("reset-restores-stale-blocks", "kvcore (found by the simulator): after reset, "
            "stale window blocks behind the cursor are stored again", ("gpt-oss", V4),
            "integrity", _method_patch(OffloadScheduler, "reset", _reset_forgets_stale_blocks),
-           _has_window),
+           _has_window, at_runtime=False),
     Mutant("no-fence", "a store's source block reused before the store is waited on",
            ("gpt-oss", V4), "F1", _method_patch(JobTable, "jobs_reading", _no_fence)),
     Mutant("pending-read-as-hit", "PENDING keys treated as hits: a lookup answers before "
@@ -446,6 +476,17 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("store-while-loading", "a store issued while the same request's load is in "
            "flight (it reads blocks the load is still writing)", ("gpt-oss", V4), "J1",
            _method_patch(OffloadScheduler, "_store_step", _store_ignores_loads)),
+    Mutant("keys-without-group", "hybrid offload keyed by the block hash alone: two "
+           "groups' chunks that end on the same hash share one key, so one group is "
+           "served the other's bytes", ("gpt-oss", V4), "K1",
+           _method_patch(GroupKeys, "__init__", _keys_without_group), _several_groups),
+    Mutant("load-starts-late", "a load planned from one block past the first unfilled "
+           "one: the request is told that block holds its prefix, and it holds stale "
+           "bytes", ("gpt-oss", V4), "L3",
+           _method_patch(_rules, "first_unfilled", _load_starts_late)),
+    Mutant("first-report-settles", "a job settled on the first of several TP workers' "
+           "reports while the others still copy (slots freed, keys served early)",
+           ("gpt-oss", V4), "J2", _method_patch(Job, "settled", _first_report_settles)),
     Mutant("min-chunk-before-last-shrink", "vLLM 0.33: the one-chunk minimum checked per "
            "group when visited, so a later shrink below the largest chunk is served",
            (V4, "mamba-and-window"), "L1", _converge_patch(min_per_group=True),

@@ -79,9 +79,12 @@ class InvariantViolation(KVCoreError, AssertionError):
     so ``python -O`` does not strip it.
     """
 
-    def __init__(self, violations: Sequence[Any]) -> None:
+    def __init__(self, violations: Sequence[Any], *, at_runtime: bool = False) -> None:
         self.violations = list(violations)
         self.ids = sorted({v.id for v in self.violations})
+        # Raised by a hook's own check (what an engine gets with KVCORE_CHECK=1), not by
+        # a harness beside it: the check's canaries ask which of the two caught a bug.
+        self.at_runtime = at_runtime
         lines = [f"{v.id}: {v.message}" for v in self.violations]
         super().__init__("invariants broken: " + "; ".join(lines))
 

@@ -541,4 +541,5 @@ class CPUOffloadManager(OffloadManager):
             returned_none=returned_none,
             changed_state=before != self._fingerprint(),
         )
-        enforce([record], self.checked)  # the one funnel: counted and judged as every record
+        # The one funnel: counted and judged as every record.
+        enforce([record], self.checked, at_runtime=True)

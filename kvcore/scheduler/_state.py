@@ -251,6 +251,11 @@ class Job:
     # Fenced when the request finishes: a store's FULL sources, a load's destinations.
     other_sources: frozenset[int] = frozenset()
 
+    def settled(self, num_workers: int) -> bool:
+        """Every worker has reported: each copies its own shard, so a job settled on
+        fewer reports frees slots and serves keys whose bytes are still moving (J2)."""
+        return len(self.reporters) == num_workers
+
 
 class JobTable:
     """Jobs in flight, the GPU ids each store job fences, and the keys being loaded.

@@ -92,7 +92,6 @@ from kvcore.spec.types import (
     StoreLevel,
     cdiv,
     key_group,
-    key_hash,
 )
 
 # Id lists at least this long enter a block table packed by struct (``_apply_blocks``).
@@ -162,7 +161,7 @@ class OffloadScheduler:
         self.checked: dict[str, int] = {}
 
     def _enforce(self, records: list[object]) -> None:
-        enforce(records, self.checked)
+        enforce(records, self.checked, at_runtime=True)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -606,7 +605,7 @@ class OffloadScheduler:
                 self._stats.bytes_loaded += r.bytes
             else:
                 self._stats.bytes_stored += r.bytes
-            if len(job.reporters) == self.config.num_workers:
+            if job.settled(self.config.num_workers):
                 completed.append(r.job_id)
                 self._complete(job, finished_loads, failed_loads, failed_stores)
         return OutputResult(tuple(completed), tuple(finished_loads), tuple(failed_loads),
@@ -738,7 +737,13 @@ class OffloadScheduler:
     # -- runtime checks (only with checks on) ---------------------------------------------
 
     def _check_keys(self, req: RequestState) -> None:
-        triples = tuple((key_group(k), key_hash(k), k) for keys in req.keys for k in keys)
+        """Each key beside the group that asked for it and its chunk's last hash, both
+        taken from the request, not decoded from the key: decoding makes equal keys name
+        the same (group, hash), so two groups sharing a key could never be seen (K1)."""
+        chain = list(req.hashes)
+        triples = tuple(
+            (group, chain[(i + 1) * self.config.hashes_per_chunk(group) - 1], key)
+            for group, keys in enumerate(req.keys) for i, key in enumerate(keys))
         self._enforce([KeyRecord(triples)])
 
     def _check_lookup(self, req: RequestState, computed: int, num_tokens: int,

@@ -444,3 +444,42 @@ def test_the_canaries_run_only_in_a_users_check(monkeypatch: pytest.MonkeyPatch)
     _check.run_battery(preset(DEFAULT), preset=DEFAULT, seeds=1, examples=1, steps=1,
                        canaries=True)
     assert ran == ["canaries"]
+
+
+@pytest.mark.parametrize(("method", "expect"), [
+    ("_check_keys", "K1"), ("_check_completion", "J2")])
+def test_a_dead_check_is_not_live_even_where_a_harness_names_its_id(
+        monkeypatch: pytest.MonkeyPatch, method: str, expect: str) -> None:
+    """Mutants: ``if self.check`` inverted before ``_check_keys`` or ``_check_completion``
+    (the hook's check then runs only with checks off). K1 was dead by construction (the
+    record decoded group and hash from the key itself, so equal keys always agreed); J2
+    was named anyway by the refinement stage, whose odd seeds run checks off. The
+    canaries plant ``keys-without-group`` and ``first-report-settles`` and accept only a
+    hook's own check in the stages that run checks on."""
+    cfg = preset(DEFAULT)
+    checks = getattr(OffloadScheduler, method)
+
+    def inverted(self: OffloadScheduler, *args: Any) -> None:
+        if not self.check:
+            checks(self, *args)
+    monkeypatch.setattr(OffloadScheduler, method, inverted)
+    dead = _check.BatteryResult()
+    _check.run_canaries(cfg, dead, preset=DEFAULT, seeds=24, examples=5, steps=10)
+    assert dead.failure is not None and dead.failure.kind == "canary"
+    assert dead.failure.ids == [expect]
+
+
+def test_a_harness_catch_is_not_a_run_time_kill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zoo mutant declared ``at_runtime`` and named by a harness (``at_runtime`` False on
+    the failure) is a wrong check, not a kill."""
+    from kvcore.zoo import MUTANTS
+    mutant = next(m for m in MUTANTS if m.name == "first-report-settles")
+
+    def harness(*_a: Any, **_k: Any) -> _check.BatteryResult:
+        result = _check.BatteryResult()
+        result.failure = _check.Failure("invariant", ["J2"], "m", "r", "refinement", "1")
+        return result
+    monkeypatch.setattr(_check, "run_battery", harness)
+    outcome = _check.run_mutant(mutant, {DEFAULT: preset(DEFAULT)}, seeds=1, examples=1,
+                                steps=1)
+    assert outcome.status == "wrong check" and "harness" in outcome.by
