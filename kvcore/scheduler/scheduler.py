@@ -741,9 +741,10 @@ class OffloadScheduler:
         taken from the request, not decoded from the key: decoding makes equal keys name
         the same (group, hash), so two groups sharing a key could never be seen (K1)."""
         chain = list(req.hashes)
-        triples = tuple(
-            (group, chain[(i + 1) * self.config.hashes_per_chunk(group) - 1], key)
-            for group, keys in enumerate(req.keys) for i, key in enumerate(keys))
+        ends = [chain[hpc - 1::hpc] for hpc in map(self.config.hashes_per_chunk,
+                                                    range(len(req.keys)))]
+        triples = tuple((group, end, key) for group, keys in enumerate(req.keys)
+                        for end, key in zip(ends[group], keys, strict=True))
         self._enforce([KeyRecord(triples)])
 
     def _check_lookup(self, req: RequestState, computed: int, num_tokens: int,
