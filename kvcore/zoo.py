@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from unittest import mock
 
+from kvcore.manager._cpu import CPUOffloadManager
 from kvcore.scheduler import (
     OffloadScheduler,
     ScheduledRequest,
@@ -242,6 +243,17 @@ def _reset_forgets_stale_blocks(original: Any) -> Any:
                     placed.steps[0] = self._stale.step
         return flush
     return reset
+
+
+def _pins_ignored(original: Any) -> Any:
+    """The victim walk no longer sees the pins (the count guard still does)."""
+    def _choose(self: CPUOffloadManager, *args: Any) -> Any:
+        pins, self._pins = self._pins, {}
+        try:
+            return original(self, *args)
+        finally:
+            self._pins = pins
+    return _choose
 
 
 def _no_fence(_original: Any) -> Any:
@@ -487,6 +499,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("first-report-settles", "a job settled on the first of several TP workers' "
            "reports while the others still copy (slots freed, keys served early)",
            ("gpt-oss", V4), "J2", _method_patch(Job, "settled", _first_report_settles)),
+    Mutant("pinned-key-evicted", "an eviction walk that skips the call's own keys but not "
+           "the pinned ones: a slot a load is still reading is freed and rewritten",
+           ("gpt-oss", V4), "M1", _method_patch(CPUOffloadManager, "_choose", _pins_ignored)),
     Mutant("min-chunk-before-last-shrink", "vLLM 0.33: the one-chunk minimum checked per "
            "group when visited, so a later shrink below the largest chunk is served",
            (V4, "mamba-and-window"), "L1", _converge_patch(min_per_group=True),

@@ -446,23 +446,28 @@ def test_the_canaries_run_only_in_a_users_check(monkeypatch: pytest.MonkeyPatch)
     assert ran == ["canaries"]
 
 
-@pytest.mark.parametrize(("method", "expect"), [
-    ("_check_keys", "K1"), ("_check_completion", "J2")])
+@pytest.mark.parametrize(("owner", "method", "flag", "expect"), [
+    (OffloadScheduler, "_check_keys", "check", "K1"),
+    (OffloadScheduler, "_check_completion", "check", "J2"),
+    (CPUOffloadManager, "_check_eviction", "_check", "M1")])
 def test_a_dead_check_is_not_live_even_where_a_harness_names_its_id(
-        monkeypatch: pytest.MonkeyPatch, method: str, expect: str) -> None:
-    """Mutants: ``if self.check`` inverted before ``_check_keys`` or ``_check_completion``
-    (the hook's check then runs only with checks off). K1 was dead by construction (the
-    record decoded group and hash from the key itself, so equal keys always agreed); J2
-    was named anyway by the refinement stage, whose odd seeds run checks off. The
-    canaries plant ``keys-without-group`` and ``first-report-settles`` and accept only a
-    hook's own check in the stages that run checks on."""
+        monkeypatch: pytest.MonkeyPatch, owner: type, method: str, flag: str,
+        expect: str) -> None:
+    """Mutants: ``if self.check`` inverted before ``_check_keys`` or ``_check_completion``,
+    or ``if self._check`` before the tier's ``_check_eviction`` (the hook's check then
+    runs only with checks off). K1 was dead by construction (the record decoded group
+    and hash from the key itself, so equal keys always agreed); J2 was named anyway by
+    the refinement stage, whose odd seeds run checks off; no zoo bug reached M1's check
+    once the victims are chosen. The canaries plant ``keys-without-group``,
+    ``first-report-settles`` and ``pinned-key-evicted`` and accept only a hook's own
+    check in the stages that run checks on."""
     cfg = preset(DEFAULT)
-    checks = getattr(OffloadScheduler, method)
+    checks = getattr(owner, method)
 
-    def inverted(self: OffloadScheduler, *args: Any) -> None:
-        if not self.check:
+    def inverted(self: Any, *args: Any) -> None:
+        if not getattr(self, flag):
             checks(self, *args)
-    monkeypatch.setattr(OffloadScheduler, method, inverted)
+    monkeypatch.setattr(owner, method, inverted)
     dead = _check.BatteryResult()
     _check.run_canaries(cfg, dead, preset=DEFAULT, seeds=24, examples=5, steps=10)
     assert dead.failure is not None and dead.failure.kind == "canary"
