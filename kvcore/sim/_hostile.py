@@ -3,14 +3,15 @@
 ``Hostile`` stands between the simulator and the scheduler. Before a share of the real
 hook calls it makes one bad twin of that call, built from the real arguments with one
 thing made wrong in a way no state can excuse: an unknown or duplicate request, a
-negative or bool count, computed tokens past the end, a GPU id outside the pool or a null
-in a FULL group, an allocated id that cannot exist, a table for the wrong number of
-groups, a report from a worker that does not exist or for a job never issued, a second
-report from one worker, a hash of the wrong type or length. The twin must raise a kvcore
-argument error and leave the scheduler, its tier and the tier's policy exactly as they
-were (a deep ``snapshot``); then the real call goes through. Bounded: at most one twin
-per real call, about three in ten calls, at most ``limit`` (60) in a run; of the twins a
-call offers, one of the kinds bounced least so far.
+negative or bool count, computed tokens past the end, a GPU id outside the pool, a null
+in a FULL group or one of its blocks at two positions, an allocated id that cannot
+exist, a table for the wrong number of groups, a report from a worker that does not
+exist or for a job never issued, a second report from one worker, a hash of the wrong
+type or length. The twin must raise a kvcore argument error and leave the scheduler, its
+tier and the tier's policy exactly as they were (a deep ``snapshot``); then the real call
+goes through. Bounded: at most one twin per real call, about three in ten calls, at most
+``limit`` (60) in a run; of the twins a call offers, one of the kinds bounced least so
+far.
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ class Hostile:
         out[group] = tuple(row)
         return tuple(out)
 
+    def _repeated(self, tables: Any) -> tuple[tuple[Any, ...], ...] | None:
+        """``tables`` with a FULL group's second id made its first (one block at two
+        positions), where a FULL group has two ids or more; else None."""
+        for g in self.full:
+            if len(tables[g]) >= 2:
+                return self._tables(tables, g, tables[g][0], 1)
+        return None
+
     # -- the hooks -------------------------------------------------------------------------
 
     def add_request(self, info: RequestInfo) -> None:
@@ -218,6 +227,12 @@ class Hostile:
                 "after_alloc: null inside a window group's load range", None,
                 lambda: s.after_alloc(request_id, hole, valid, computed, load_tokens),
                 says="null block inside the load range"))
+        repeated = self._repeated(tables)
+        if repeated is not None:
+            twins.append(self._arg_twin(
+                "after_alloc: a FULL group's block twice", None,
+                lambda: s.after_alloc(request_id, repeated, valid, computed, load_tokens),
+                says="repeats one"))
         if self.full:
             twins.append(self._id_twin("after_alloc: null in a FULL group", 0,
                                        lambda: s.after_alloc(
@@ -276,6 +291,14 @@ class Hostile:
                 twins.append(("build_step: tables for one group too many", lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=(*ids, ids[g])),
                                             *reqs[1:])))))
+        for k, sr in enumerate(reqs):
+            repeated = self._repeated(sr.new_block_ids) if sr.new_block_ids else None
+            if repeated is not None:
+                bad = (*reqs[:k], replace(sr, new_block_ids=repeated), *reqs[k + 1:])
+                twins.append(self._arg_twin(
+                    "build_step: a FULL group's new block twice", None,
+                    partial(s.build_step, replace(step, requests=bad)), says="repeats one"))
+                break
         twins += self._short_resume(step)
         return twins
 

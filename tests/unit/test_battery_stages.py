@@ -275,6 +275,26 @@ def test_a_null_inside_a_window_load_is_named(monkeypatch: pytest.MonkeyPatch) -
     assert result.failure is not None and result.failure.ids == ["B1"], result.failure
 
 
+@pytest.mark.parametrize("which", ["distinct", "first_repeat"])
+def test_the_bad_calls_stage_names_a_full_block_accepted_twice(
+        monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """Mutants of the FULL-group repeat check in ``_validate.check_tables`` (a held-out
+    mutation sample's survivor): the C test read the other way round (``ids_distinct``
+    true), or the position search finding none. A FULL table that names one block at two
+    positions is then accepted, and a store saves one chunk's bytes under two keys. The
+    stage's twins repeat a FULL block in ``after_alloc`` and ``build_step``; either must
+    bounce (A1)."""
+    from kvcore.scheduler import _validate
+    if which == "distinct":
+        monkeypatch.setattr(_validate, "ids_distinct", lambda ids: True)
+    else:
+        monkeypatch.setattr(_validate, "_first_repeat", lambda ids: None)
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 2, result, preset=DEFAULT, hostile=True)
+    assert result.failure is not None and result.failure.ids == ["A1"], result.failure
+    assert "block twice: accepted" in result.failure.message
+
+
 def test_a_coverage_failure_is_no_catch_of_a_zoo_mutant(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """Mutant: ``run_mutant`` scores a coverage failure naming the mutant's id as a kill
