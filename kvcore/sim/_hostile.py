@@ -160,6 +160,10 @@ class Hostile:
             h = info.block_hashes[0]
             twins.append(("add_request: hash one byte longer", lambda: s.add_request(
                 replace(info, block_hashes=(h + b"\0", *info.block_hashes[1:])))))
+            # One hash alone, a str of the hash's length: the C scan reads only the first
+            # item's type before the others', so one item is its own case.
+            twins.append(("add_request: one hash, a str", lambda: s.add_request(
+                replace(info, block_hashes=(h.decode("latin-1"),)))))
         if tracked:
             twins.append(("add_request: a tracked id", lambda: s.add_request(
                 replace(info, request_id=tracked[0]))))
@@ -174,6 +178,8 @@ class Hostile:
             ("add_hashes: unknown request", lambda: s.add_hashes("no-such-request", hashes)),
             ("add_hashes: str hashes", lambda: s.add_hashes(request_id,
                                                            [h.hex() for h in hashes])),
+            ("add_hashes: one hash, a str", lambda: s.add_hashes(
+                request_id, [hashes[0].decode("latin-1")])),
         ]
         self._bounce(twins if hashes else [])
         s.add_hashes(request_id, hashes)

@@ -295,6 +295,27 @@ def test_the_bad_calls_stage_names_a_full_block_accepted_twice(
     assert "block twice: accepted" in result.failure.message
 
 
+def test_the_bad_calls_stage_names_a_lone_str_hash_vouched_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant of the C hash scan (a held-out mutation sample's survivor): the type test
+    of the first item read the other way round, so a list of one str of the hash's
+    length is vouched for (every later item is still type-checked, so two or more strs
+    never were). The stage's twins pass one hash as a str to ``add_request`` and
+    ``add_hashes``; under the mutant one is accepted or crashes later (A1)."""
+    from kvcore import _scan
+    from kvcore.spec import hooks
+
+    def vouches_for_one(seq: Any, max_len: int) -> int:
+        if isinstance(seq, (tuple, list)) and len(seq) == 1 and isinstance(seq[0], str):
+            return len(seq[0]) if 0 < len(seq[0]) <= max_len else -1
+        return _scan.hashes_len(seq, max_len)
+    monkeypatch.setattr(hooks, "_scan_bytes", vouches_for_one)
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 2, result, preset=DEFAULT, hostile=True)
+    assert result.failure is not None and result.failure.ids == ["A1"], result.failure
+    assert "one hash, a str" in result.failure.message
+
+
 def test_a_coverage_failure_is_no_catch_of_a_zoo_mutant(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """Mutant: ``run_mutant`` scores a coverage failure naming the mutant's id as a kill
