@@ -371,6 +371,26 @@ def test_concurrent_lookups_of_the_same_prefix() -> None:
     assert e.admit(b) == 24
 
 
+def test_a_draft_extra_chunk_another_load_reads_does_not_defer() -> None:
+    """A lookup defers (PENDING) only for a load of a chunk it would serve. A draft
+    group's chunk past the hit is read to verify the hit, never served, so another
+    request loading it changes nothing here (L2: PENDING only when it changes the answer).
+
+    ``a`` holds 16 tokens on the GPU and loads chunks 4..8 (hit to 36; chunk 9 verifies
+    it). ``b`` shares the prompt's first 5 chunks only: its hit is 16, served from chunks
+    0..3 and verified by chunk 4, which ``a`` is loading. Mutant: ``served_chunks`` keeps
+    the draft group's extra chunk (``hi - 0``), and ``b`` waits for a load it never needs.
+    """
+    e, _ = engine(config(GroupSpec(FULL, 4, is_draft=True), cpu=64))
+    first = e.arrive(tokens(44), 1)
+    prefill(e, first)
+    settle(e)
+    a = e.arrive([*tokens(40), 1], 1)
+    assert e.admit(a, local_units=4) == 20  # from 16 to 36, chunk 9 verifying it
+    b = e.arrive([*tokens(20), *tokens(20, seed=5)], 1)
+    assert e.admit(b) == 16
+
+
 def test_jobs_in_flight_defer_the_lookup() -> None:
     """§7.2 item 15: a request preempted with stores in flight is re-admitted only after
     they complete: its lookup answers PENDING until then (J1)."""
