@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="ceiling per run in seconds (default 1800)")
     p.add_argument("--hang-factor", type=float, default=3.0,
                    help="a run this many times slower than the baseline is a hang")
-    p.add_argument("--runners", default="tests,check", help="tests, check or both")
+    p.add_argument("--runners", default="tests,check",
+                   help="tests, check or tests,check (the default; 'both' means it too)")
     p.add_argument("--only", choices=["python", "c"], help="mutate only one language")
     p.add_argument("--pytest-args", default="tests proofs",
                    help="what (a) runs (default: make test's `tests proofs`, in its order)")
@@ -391,8 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cosmic_ray.exists():
         sys.exit(f"mutate: {args.cosmic_ray} not found; `make mutate` installs cosmic-ray "
                  "into build/mutate-venv")
+    runners = ("tests", "check") if args.runners.strip() == "both" else \
+        tuple(r.strip() for r in args.runners.split(","))
+    if not runners or not set(runners) <= {"tests", "check"}:
+        # An unknown name used to run nothing and fail only at the report, after the sample.
+        p.error(f"--runners {args.runners!r}: name tests, check or both")
     opts = Options(args.cosmic_ray, args.timeout, args.hang_factor, args.pytest_args.split(),
-                   tuple(r.strip() for r in args.runners.split(",")))
+                   runners)
     opts.env = {"CI": "true", "PYTHONDONTWRITEBYTECODE": "1", "KVCORE_EXPLORE_SECONDS": "",
                 "PYTHONWARNINGS": "ignore::UserWarning"}
     os.nice(10)
