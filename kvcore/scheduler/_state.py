@@ -26,23 +26,28 @@ SEGMENT = 1 << SEGMENT_BITS
 
 
 class HashChain:
-    """One request's block hashes: append-only, in segments the garbage collector skips.
+    """One request's block hashes: append-only, in parts the garbage collector skips.
 
     A plain list of hashes is a container the cyclic collector walks on every full
     collection, one visit (and cache miss) per hash: the lists of 256 DeepSeek-V4
     requests of 32K tokens (2M hashes) made a full collection 127 ms instead of 85, and
-    the youngest generation walked each admitted prompt's list again. Here every
-    ``SEGMENT`` hashes are frozen into a tuple; a tuple holding only ``bytes`` is
-    untracked the first time the collector sees it, so what stays tracked is the chain,
-    its short list of segments and the tail (under ``SEGMENT`` hashes). A read is a
-    method call (about 0.2 us, against 25 ns from a list): the store path reads a few
-    keys a step that way; lookups read by ``strided``, one C-level slice per segment
-    while the stride is under a segment.
+    the youngest generation walked each admitted prompt's list again. Here the prompt's
+    hashes are kept as the tuple they came in (``_base``: ``check_hashes`` hands one on),
+    not copied; every ``SEGMENT`` hashes added later are frozen into a tuple. A tuple
+    holding only ``bytes`` is untracked the first time the collector sees it, so what
+    stays tracked is the chain, its short list of segments and the tail (under
+    ``SEGMENT`` hashes). The prompt's tuple is the engine's own when it passed a tuple:
+    slicing it into segments, as this did before, made a second reference to every
+    hash (8 bytes a hash block, a fifth of kvcore's) and 32 more tuples of 1,024 for
+    the collector's next pass after a 128K-token admission. A read is a method call
+    (about 0.2 us, against 25 ns from a list): the store path reads a few keys a step
+    that way; lookups read by ``strided``, one C-level slice per part.
     """
 
-    __slots__ = ("_segments", "_tail", "size")
+    __slots__ = ("_base", "_segments", "_tail", "size")
 
     def __init__(self, hashes: Sequence[bytes] = ()) -> None:
+        self._base: tuple[bytes, ...] = ()
         self._segments: list[tuple[bytes, ...]] = []
         self._tail: list[bytes] = []
         # len(self), kept as an attribute: every scheduled request's checks and every key
@@ -51,15 +56,13 @@ class HashChain:
         self.extend(hashes)
 
     def extend(self, hashes: Sequence[bytes]) -> None:
+        if not self.size and type(hashes) is tuple:
+            # The first hashes, as a tuple (a prompt's): kept whole, no copy.
+            self._base = hashes
+            self.size = len(hashes)
+            return
         self.size += len(hashes)
         tail = self._tail
-        if not tail and type(hashes) is tuple and len(hashes) >= SEGMENT:
-            # A prompt's hashes (a tuple: check_hashes hands one on): its segments are
-            # slices of it, one copy, not a copy into the tail and another out of it.
-            whole = len(hashes) - len(hashes) % SEGMENT
-            self._segments.extend(hashes[at:at + SEGMENT] for at in range(0, whole, SEGMENT))
-            tail.extend(hashes[whole:])
-            return
         tail.extend(hashes)
         if len(tail) >= SEGMENT:
             whole = len(tail) - len(tail) % SEGMENT
@@ -72,32 +75,43 @@ class HashChain:
 
     def __getitem__(self, index: int) -> bytes:
         """Hash ``index``; negative indexes count from the end, as a list's do."""
-        frozen = len(self._segments) << SEGMENT_BITS
         if index < 0:
-            index += frozen + len(self._tail)
+            index += self.size
             if index < 0:
                 raise IndexError("hash index out of range")
+        base = self._base
+        if index < len(base):
+            return base[index]
+        index -= len(base)
+        frozen = len(self._segments) << SEGMENT_BITS
         if index < frozen:
             return self._segments[index >> SEGMENT_BITS][index & (SEGMENT - 1)]
         return self._tail[index - frozen]
 
     def strided(self, start: int, stop: int, step: int) -> list[bytes]:
         """``hashes[start:stop:step]`` for ``0 <= start``, ``0 <= stop`` and ``step >= 1``."""
-        stop = min(stop, len(self))
+        stop = min(stop, self.size)
+        base = self._base
+        out: list[bytes] = []
+        if start < len(base):
+            end = min(stop, len(base))
+            out.extend(base[start:end:step])
+            start += -(-(end - start) // step) * step  # the first index >= end on the stride
+        # The rest counts from the end of the base.
+        at, stop = start - len(base), stop - len(base)
         segments = self._segments
         frozen = len(segments) << SEGMENT_BITS
-        out: list[bytes] = []
-        at = start
         while at < min(stop, frozen):
-            base = at & ~(SEGMENT - 1)
-            end = min(stop, base + SEGMENT)
-            out.extend(segments[at >> SEGMENT_BITS][at - base:end - base:step])
-            at += -(-(end - at) // step) * step  # the first index >= end on the stride
+            first = at & ~(SEGMENT - 1)
+            end = min(stop, first + SEGMENT)
+            out.extend(segments[at >> SEGMENT_BITS][at - first:end - first:step])
+            at += -(-(end - at) // step) * step
         if at < stop:
             out.extend(self._tail[at - frozen:stop - frozen:step])
         return out
 
     def __iter__(self) -> Iterator[bytes]:
+        yield from self._base
         for segment in self._segments:
             yield from segment
         yield from self._tail

@@ -49,9 +49,9 @@ def test_keys_across_segments_equal_make_key() -> None:
 @given(st.lists(st.tuples(st.integers(0, 2 * SEGMENT + 5), st.booleans()), max_size=6),
        st.data())
 def test_chain_answers_as_a_list(extends: list[tuple[int, bool]], data: st.DataObject) -> None:
-    """A chain built by any series of extends, of lists or of tuples (a tuple of a segment
-    or more into an empty tail is sliced into segments directly), reads as the list of
-    the same hashes."""
+    """A chain built by any series of extends, of lists or of tuples (the first, when a
+    tuple, is kept whole as the base; the rest go through the tail into segments), reads
+    as the list of the same hashes, strided reads across the base's end included."""
     chain, model = HashChain(), []
     for size, as_tuple in extends:
         new = [(len(model) + i).to_bytes(4, "little") for i in range(size)]
@@ -73,17 +73,23 @@ def test_chain_answers_as_a_list(extends: list[tuple[int, bool]], data: st.DataO
         assert chain.strided(start, stop, step) == model[start:stop:step]
 
 
-def test_frozen_segments_are_not_walked_by_the_collector() -> None:
-    """The point of the chain: after a collection its frozen segments are untracked, so
-    only the chain, its list of segments and the tail are left for the collector."""
-    chain = HashChain((bytes(32),) * (2 * SEGMENT + 5))  # a prompt's tuple, sliced
-    chain.extend([bytes(32)] * (SEGMENT - 3))  # completes a third segment
+def test_frozen_parts_are_not_walked_by_the_collector() -> None:
+    """The point of the chain: the prompt's tuple is kept as it came (no second reference
+    to each hash), and after a collection it and the frozen segments are untracked, so
+    only the chain, its list of segments and the tail are left for the collector.
+    Mutants: slicing the prompt's tuple into copies; freezing a segment as a list."""
+    prompt = tuple(i.to_bytes(32, "little") for i in range(2 * SEGMENT + 5))
+    chain = HashChain(prompt)
+    chain.extend([bytes(32)] * (2 * SEGMENT + 1))  # two segments and a tail of one
     gc.collect()
-    segments = [r for r in gc.get_referents(chain) if isinstance(r, list)]
-    frozen = [s for part in segments for s in part if isinstance(s, tuple)]
-    assert len(frozen) == 3 and all(len(s) == SEGMENT for s in frozen)
+    referents = gc.get_referents(chain)
+    assert any(r is prompt for r in referents)
+    assert not gc.is_tracked(prompt)
+    segments = [r for r in referents if isinstance(r, list) and r and isinstance(r[0], tuple)]
+    frozen = [s for part in segments for s in part]
+    assert len(frozen) == 2 and all(type(s) is tuple and len(s) == SEGMENT for s in frozen)
     assert not any(gc.is_tracked(s) for s in frozen)
-    assert len(chain) == 3 * SEGMENT + 2
+    assert len(chain) == 4 * SEGMENT + 6
 
 
 def test_length_follows_the_hash_chain_and_out_of_range_raises() -> None:
