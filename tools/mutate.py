@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"mutate: {args.cosmic_ray} not found; `make mutate` installs cosmic-ray "
                  "into build/mutate-venv")
     runners = ("tests", "check") if args.runners.strip() == "both" else \
-        tuple(r.strip() for r in args.runners.split(","))
+        tuple(dict.fromkeys(r.strip() for r in args.runners.split(",")))
     if not runners or not set(runners) <= {"tests", "check"}:
         # An unknown name used to run nothing and fail only at the report, after the sample.
         p.error(f"--runners {args.runners!r}: name tests, check or both")

@@ -300,10 +300,14 @@ class Hostile:
         for k, sr in enumerate(reqs):
             repeated = self._repeated(sr.new_block_ids) if sr.new_block_ids else None
             if repeated is not None:
-                bad = (*reqs[:k], replace(sr, new_block_ids=repeated), *reqs[k + 1:])
-                twins.append(self._arg_twin(
-                    "build_step: a FULL group's new block twice", None,
-                    partial(s.build_step, replace(step, requests=bad)), says="repeats one"))
+                def twice(k: int = k, sr: ScheduledRequest = sr,
+                          repeated: tuple[tuple[int, ...], ...] = repeated) -> object:
+                    # Built inside the call, as every twin: a refusal while building it
+                    # is the twin's to judge, not an escape from the bounce.
+                    bad = (*reqs[:k], replace(sr, new_block_ids=repeated), *reqs[k + 1:])
+                    return s.build_step(replace(step, requests=bad))
+                twins.append(self._arg_twin("build_step: a FULL group's new block twice",
+                                            None, twice, says="repeats one"))
                 break
         twins += self._short_resume(step)
         return twins
