@@ -163,7 +163,7 @@ class Hostile:
             # One hash alone, a str of the hash's length: the C scan reads only the first
             # item's type before the others', so one item is its own case.
             twins.append(("add_request: one hash, a str", lambda: s.add_request(
-                replace(info, block_hashes=(h.decode("latin-1"),)))))
+                replace(info, block_hashes=(h.decode("latin-1"),)))))  # type: ignore[arg-type]
         if tracked:
             twins.append(("add_request: a tracked id", lambda: s.add_request(
                 replace(info, request_id=tracked[0]))))
