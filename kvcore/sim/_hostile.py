@@ -297,18 +297,16 @@ class Hostile:
                 twins.append(("build_step: tables for one group too many", lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=(*ids, ids[g])),
                                             *reqs[1:])))))
-        for k, sr in enumerate(reqs):
-            repeated = self._repeated(sr.new_block_ids) if sr.new_block_ids else None
-            if repeated is not None:
-                def twice(k: int = k, sr: ScheduledRequest = sr,
-                          repeated: tuple[tuple[int, ...], ...] = repeated) -> object:
-                    # Built inside the call, as every twin: a refusal while building it
-                    # is the twin's to judge, not an escape from the bounce.
-                    bad = (*reqs[:k], replace(sr, new_block_ids=repeated), *reqs[k + 1:])
-                    return s.build_step(replace(step, requests=bad))
-                twins.append(self._arg_twin("build_step: a FULL group's new block twice",
-                                            None, twice, says="repeats one"))
-                break
+        # The first request with a FULL group's two new ids, that group's id repeated.
+        found = next(((k, r) for k, sr in enumerate(reqs) if sr.new_block_ids
+                      and (r := self._repeated(sr.new_block_ids)) is not None), None)
+        if found is not None:
+            k, repeated = found
+            twins.append(self._arg_twin(
+                "build_step: a FULL group's new block twice", None,
+                lambda: s.build_step(replace(step, requests=(
+                    *reqs[:k], replace(reqs[k], new_block_ids=repeated), *reqs[k + 1:]))),
+                says="repeats one"))
         twins += self._short_resume(step)
         return twins
 
