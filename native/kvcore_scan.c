@@ -92,23 +92,25 @@ static PyObject *ids_max(PyObject *self, PyObject *seq)
     return PyLong_FromLongLong(top);
 }
 
-/* ids_distinct(seq) -> bool: True when seq is an exact tuple or list of exact ints in
- * 0..2**63-1, no two equal; False otherwise (a repeat, or an item the scan does not
- * vouch for: the caller's Python test decides then). An open-addressing table of twice
- * the items, freed before returning: a resumed 128K-token request's 16K FULL-group ids
- * cost a Python set about 0.5 ms. */
-static PyObject *ids_distinct(PyObject *self, PyObject *seq)
+/* 1 when the n items are exact ints in 0..2**63-1, no two equal; 0 otherwise; -1 with
+ * MemoryError set. A few ids (a decode step's) are compared pairwise; more go through an
+ * open-addressing table of twice the items, freed before returning: a resumed
+ * 128K-token request's 16K FULL-group ids cost a Python set about 0.5 ms. */
+#define PAIRWISE_MAX 8
+
+static int distinct_items(PyObject *const *items, Py_ssize_t n)
 {
-    (void)self;
-    Py_ssize_t n = 0;
-    PyObject **items = NULL;
-    if (!items_of(seq, &items, &n))
-        Py_RETURN_FALSE;
-    if (n < 2) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (id_value(items[i]) < 0)
-                Py_RETURN_FALSE;
-        Py_RETURN_TRUE;
+    if (n <= PAIRWISE_MAX) {
+        long long v[PAIRWISE_MAX];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            v[i] = id_value(items[i]);
+            if (v[i] < 0)
+                return 0;
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (v[j] == v[i])
+                    return 0;
+        }
+        return 1;
     }
     size_t size = 4;
     unsigned shift = 62; /* 64 - log2(size) */
@@ -117,8 +119,10 @@ static PyObject *ids_distinct(PyObject *self, PyObject *seq)
         shift--;
     }
     long long *table = PyMem_Malloc(size * sizeof(long long));
-    if (table == NULL)
-        return PyErr_NoMemory();
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     for (size_t i = 0; i < size; i++)
         table[i] = -1; /* empty: no id is negative */
     int distinct = 1;
@@ -139,6 +143,22 @@ static PyObject *ids_distinct(PyObject *self, PyObject *seq)
         table[at] = v;
     }
     PyMem_Free(table);
+    return distinct;
+}
+
+/* ids_distinct(seq) -> bool: True when seq is an exact tuple or list of exact ints in
+ * 0..2**63-1, no two equal; False otherwise (a repeat, or an item the scan does not
+ * vouch for: the caller's Python test decides then). */
+static PyObject *ids_distinct(PyObject *self, PyObject *seq)
+{
+    (void)self;
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    if (!items_of(seq, &items, &n))
+        Py_RETURN_FALSE;
+    int distinct = distinct_items(items, n);
+    if (distinct < 0)
+        return NULL;
     if (distinct)
         Py_RETURN_TRUE;
     Py_RETURN_FALSE;
@@ -299,6 +319,252 @@ static PyObject *same_tail(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_TRUE;
 }
 
+/* step_vouch(requests, states, preempted, layout, hash_len) -> int
+ *
+ * The scheduler's per-request step checks (kvcore/scheduler/scheduler.py,
+ * ``_validate_scheduled``, and ``_validate.check_tables``/``hash_length``) for a whole
+ * step in one C pass: about 3.6 us a request as Python, most of it attribute reads and
+ * calls, and a 256-request decode step pays it every step. Like every scan here it only
+ * vouches: it answers the hash length after the step (0: none seen yet) when every
+ * scheduled request is certainly fine, and -1 at the first doubt; the Python checks,
+ * which raise the errors, then run as if the scan did not exist. It changes nothing.
+ *
+ * ``layout`` is built once per scheduler: (ScheduledRequest, RequestState, HashChain,
+ * array.array, num_gpu_blocks, hash_block_tokens, tokens per block per group, FULL or
+ * not per group). Every object read must be of exactly its kvcore type (an exact dict,
+ * str, tuple, list, int, bytes, bool or array otherwise), so reading it runs no Python
+ * code and what is read is what the Python path would read. ``preempted`` is the step's
+ * tuple of request ids (a tuple or list of exact str). */
+#define VOUCH_MAX_GROUPS 64
+
+typedef struct {
+    PyObject *sr_type, *state_type, *chain_type, *array_type;
+    long long limit, hash_block_tokens;
+    Py_ssize_t groups;
+    long long tokens[VOUCH_MAX_GROUPS];
+    int full[VOUCH_MAX_GROUPS];
+} VouchLayout;
+
+/* Interned attribute names, made at import. */
+static PyObject *a_request_id, *a_scheduled_tokens, *a_computed_tokens, *a_num_tokens,
+    *a_new_block_ids, *a_new_hashes, *a_resumed, *a_finished, *a_hashes, *a_size, *a_tables;
+
+/* o.name when it is an exact int in 0..2**63-1, else -1 (a failed read is cleared: the
+ * scan declines and the Python path reads it again). */
+static long long int_attr(PyObject *o, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    long long x = id_value(v);
+    Py_DECREF(v);
+    return x;
+}
+
+/* 1 if layout is well formed (filled into *L), else 0 with ValueError set: a caller's
+ * bug, not an engine's input. */
+static int vouch_layout(PyObject *layout, VouchLayout *L)
+{
+    PyObject **f = NULL;
+    Py_ssize_t n = 0;
+    if (!PyTuple_CheckExact(layout) || !items_of(layout, &f, &n) || n != 8)
+        goto bad;
+    for (int i = 0; i < 4; i++)
+        if (!PyType_Check(f[i]))
+            goto bad;
+    L->sr_type = f[0];
+    L->state_type = f[1];
+    L->chain_type = f[2];
+    L->array_type = f[3];
+    L->limit = id_value(f[4]);
+    L->hash_block_tokens = id_value(f[5]);
+    PyObject **tokens = NULL, **full = NULL;
+    Py_ssize_t nt = 0, nf = 0;
+    if (L->limit < 1 || L->hash_block_tokens < 1 || !PyTuple_CheckExact(f[6]) ||
+        !PyTuple_CheckExact(f[7]) || !items_of(f[6], &tokens, &nt) ||
+        !items_of(f[7], &full, &nf) || nt != nf || nt < 1 || nt > VOUCH_MAX_GROUPS)
+        goto bad;
+    L->groups = nt;
+    for (Py_ssize_t g = 0; g < nt; g++) {
+        L->tokens[g] = id_value(tokens[g]);
+        if (L->tokens[g] < 1 || (full[g] != Py_True && full[g] != Py_False))
+            goto bad;
+        L->full[g] = full[g] == Py_True;
+    }
+    return 1;
+bad:
+    PyErr_SetString(PyExc_ValueError, "step_vouch: layout must be (ScheduledRequest, "
+                    "RequestState, HashChain, array, num_gpu_blocks, hash_block_tokens, "
+                    "tokens per block, FULL flags)");
+    return 0;
+}
+
+/* One group's new ids: 1 when each is an exact int below the limit, and for a FULL
+ * group none is the null block 0 and no two are equal; 0 otherwise; -1 on MemoryError. */
+static int vouch_ids(const VouchLayout *L, Py_ssize_t group, PyObject *ids, Py_ssize_t *n)
+{
+    PyObject **items = NULL;
+    if (!items_of(ids, &items, n))
+        return 0;
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        long long v = id_value(items[i]);
+        if (v < 0 || v >= L->limit || (L->full[group] && v == 0))
+            return 0;
+    }
+    return L->full[group] ? distinct_items(items, *n) : 1;
+}
+
+/* One scheduled request: 1 certainly fine (*hash_len updated), 0 not vouched, -1 on
+ * MemoryError. */
+static int vouch_request(const VouchLayout *L, PyObject *sr, PyObject *states,
+                         PyObject *preempted, long long *hash_len)
+{
+    int ok = 0;
+    PyObject *rid = NULL, *state = NULL, *flag = NULL, *chain = NULL, *hashes = NULL;
+    PyObject *ids = NULL, *tables = NULL, *resumed = NULL;
+    Py_ssize_t new_len[VOUCH_MAX_GROUPS];
+    if ((PyObject *)Py_TYPE(sr) != L->sr_type)
+        return 0;
+    rid = PyObject_GetAttr(sr, a_request_id);
+    if (rid == NULL || !PyUnicode_CheckExact(rid))
+        goto done;
+    state = PyDict_GetItemWithError(states, rid);
+    if (state == NULL || (PyObject *)Py_TYPE(state) != L->state_type)
+        goto done;
+    Py_INCREF(state);
+    /* A finished request is refused as if gone (``_req``). */
+    flag = PyObject_GetAttr(state, a_finished);
+    if (flag != Py_False)
+        goto done;
+    /* The new hashes: of the length every earlier hash had, and enough of them for
+     * num_tokens. */
+    chain = PyObject_GetAttr(state, a_hashes);
+    if (chain == NULL || (PyObject *)Py_TYPE(chain) != L->chain_type)
+        goto done;
+    long long have_hashes = int_attr(chain, a_size);
+    hashes = PyObject_GetAttr(sr, a_new_hashes);
+    if (have_hashes < 0 || hashes == NULL || !PyTuple_CheckExact(hashes))
+        goto done;
+    Py_ssize_t new_hashes = PyTuple_GET_SIZE(hashes);
+    if (new_hashes) {
+        PyObject *first = PyTuple_GET_ITEM(hashes, 0);
+        if (!PyBytes_CheckExact(first) || PyBytes_GET_SIZE(first) < 1)
+            goto done;
+        long long size = PyBytes_GET_SIZE(first);
+        if (*hash_len && size != *hash_len)
+            goto done;
+        *hash_len = size;
+    }
+    long long num_tokens = int_attr(sr, a_num_tokens);
+    if (num_tokens < 0 || num_tokens / L->hash_block_tokens > have_hashes + new_hashes)
+        goto done;
+    /* The new block ids: none per group, or one list per group, each in range. */
+    ids = PyObject_GetAttr(sr, a_new_block_ids);
+    if (ids == NULL || !PyTuple_CheckExact(ids))
+        goto done;
+    Py_ssize_t lists = PyTuple_GET_SIZE(ids);
+    if (lists != 0 && lists != L->groups)
+        goto done;
+    for (Py_ssize_t g = 0; g < lists; g++) {
+        int fine = vouch_ids(L, g, PyTuple_GET_ITEM(ids, g), &new_len[g]);
+        if (fine != 1) {
+            ok = fine;
+            goto done;
+        }
+    }
+    /* A preempted request's tables are dropped: no block count to check. */
+    PyObject **gone = NULL;
+    Py_ssize_t n_gone = 0;
+    items_of(preempted, &gone, &n_gone);
+    for (Py_ssize_t i = 0; i < n_gone; i++) {
+        if (!PyUnicode_CheckExact(gone[i]))
+            goto done;
+        if (PyUnicode_Compare(gone[i], rid) == 0) {
+            ok = 1;
+            goto done;
+        }
+    }
+    /* Every group holds blocks for every computed token. */
+    long long computed = int_attr(sr, a_computed_tokens);
+    long long scheduled = int_attr(sr, a_scheduled_tokens);
+    resumed = PyObject_GetAttr(sr, a_resumed);
+    tables = PyObject_GetAttr(state, a_tables);
+    if (computed < 0 || scheduled < 0 || (resumed != Py_True && resumed != Py_False) ||
+        tables == NULL || !PyList_CheckExact(tables) || PyList_GET_SIZE(tables) != L->groups)
+        goto done;
+    long long frontier = computed + scheduled < num_tokens ? computed + scheduled : num_tokens;
+    for (Py_ssize_t g = 0; g < L->groups; g++) {
+        PyObject *table = PyList_GET_ITEM(tables, g);
+        if ((PyObject *)Py_TYPE(table) != L->array_type)
+            goto done;
+        long long have = resumed == Py_True ? 0 : (long long)Py_SIZE(table);
+        if (lists)
+            have += new_len[g];
+        if (have * L->tokens[g] < frontier)
+            goto done;
+    }
+    ok = 1;
+done:
+    if (ok == 0 && PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_MemoryError))
+        PyErr_Clear();
+    else if (ok == 0 && PyErr_Occurred())
+        ok = -1;
+    Py_XDECREF(rid);
+    Py_XDECREF(state);
+    Py_XDECREF(flag);
+    Py_XDECREF(chain);
+    Py_XDECREF(hashes);
+    Py_XDECREF(ids);
+    Py_XDECREF(tables);
+    Py_XDECREF(resumed);
+    return ok;
+}
+
+static PyObject *step_vouch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    VouchLayout L;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "step_vouch(requests, states, preempted, layout, "
+                        "hash_len) takes 5 arguments");
+        return NULL;
+    }
+    if (!vouch_layout(args[3], &L))
+        return NULL;
+    long long hash_len = id_value(args[4]);
+    Py_ssize_t n = 0;
+    PyObject **items = NULL;
+    PyObject **gone = NULL;
+    Py_ssize_t n_gone = 0;
+    if (hash_len < 0 || !items_of(args[0], &items, &n) || !PyDict_CheckExact(args[1]) ||
+        !items_of(args[2], &gone, &n_gone))
+        return PyLong_FromLong(-1);
+    /* Reading an attribute may allocate, and an allocation may run a garbage collection
+     * whose finalizers run Python code: hold the sequence so its items stay alive. */
+    PyObject *held = args[0];
+    Py_INCREF(held);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t again = 0;
+        if (!items_of(held, &items, &again) || again != n) {
+            hash_len = -1; /* it changed while read: let the Python path read it */
+            break;
+        }
+        int fine = vouch_request(&L, items[i], args[1], args[2], &hash_len);
+        if (fine < 0) {
+            Py_DECREF(held);
+            return NULL;
+        }
+        if (fine == 0) {
+            hash_len = -1;
+            break;
+        }
+    }
+    Py_DECREF(held);
+    return PyLong_FromLongLong(hash_len);
+}
+
 static PyMethodDef scan_methods[] = {
     {"suffixed", (PyCFunction)(void (*)(void))suffixed, METH_FASTCALL,
      "suffixed(seq, suffix) -> [item + suffix for item in seq] for bytes items."},
@@ -314,6 +580,9 @@ static PyMethodDef scan_methods[] = {
     {"hashes_len", (PyCFunction)(void (*)(void))hashes_len, METH_FASTCALL,
      "hashes_len(seq, max_len) -> the common length of a tuple/list of exact bytes, all "
      "of one length in 1..max_len (0 when empty), else -1."},
+    {"step_vouch", (PyCFunction)(void (*)(void))step_vouch, METH_FASTCALL,
+     "step_vouch(requests, states, preempted, layout, hash_len) -> the hash length after "
+     "the step when every scheduled request is certainly fine, else -1."},
     {"pack_ids", (PyCFunction)pack_ids, METH_O,
      "pack_ids(seq) -> bytes of native C ints; ValueError unless every item is an exact "
      "int in 0..INT_MAX."},
@@ -326,4 +595,24 @@ static struct PyModuleDef scan_module = {
     -1, scan_methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__scan(void) { return PyModule_Create(&scan_module); }
+PyMODINIT_FUNC PyInit__scan(void)
+{
+    struct {
+        PyObject **slot;
+        const char *name;
+    } names[] = {
+        {&a_request_id, "request_id"}, {&a_scheduled_tokens, "scheduled_tokens"},
+        {&a_computed_tokens, "computed_tokens"}, {&a_num_tokens, "num_tokens"},
+        {&a_new_block_ids, "new_block_ids"}, {&a_new_hashes, "new_hashes"},
+        {&a_resumed, "resumed"}, {&a_finished, "finished"}, {&a_hashes, "hashes"},
+        {&a_size, "size"}, {&a_tables, "tables"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].slot == NULL) {
+            *names[i].slot = PyUnicode_InternFromString(names[i].name);
+            if (*names[i].slot == NULL)
+                return NULL;
+        }
+    }
+    return PyModule_Create(&scan_module);
+}

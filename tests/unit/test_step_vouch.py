@@ -1,0 +1,256 @@
+"""``step_vouch`` (native/kvcore_scan.c) against the scheduler's Python step checks.
+
+Goal: ``build_step`` skips its per-request Python checks whenever the C pass vouches for
+the step, so a C pass that vouches for one bad request lets it change the state (a
+block id past the pool, a null or a repeated FULL block, a hash of another length, too
+few blocks for the computed tokens), and one that never vouches silently costs every
+step its Python checks again. On hook-built steps the two must agree exactly: the C
+pass vouches if and only if the Python checks accept, with the same hash length. On
+objects of any other type (a subclass, a list where a tuple was built, a bool id set
+behind the frozen dataclass's back) it must decline, so the Python path reads them.
+
+Mutants these kill: ``v > limit`` for ``v >= limit``; the FULL group's null test or
+its distinct test dropped; ``<=`` for ``<`` in the block count; the preempted request's
+early accept dropped or taken before its ids are read; the finished test dropped; the
+hash length compared with nothing, or the hash count left out; any exact-type test
+loosened to its subclass-accepting form; and the scheduler ignoring the answer.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import pytest
+from bad_input_layout import CFG, hashes
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvcore.manager import CPUOffloadManager
+from kvcore.scheduler import scheduler as scheduler_module
+from kvcore.scheduler.scheduler import OffloadScheduler
+from kvcore.spec.errors import BlockIdError, KVCoreError
+from kvcore.spec.hooks import RequestInfo, ScheduledRequest, StepInput
+
+A, B, F = hashes(8), hashes(8, seed=1), hashes(8, seed=2)
+LIMIT = CFG.num_gpu_blocks
+
+
+def history() -> OffloadScheduler:
+    """'a' holds 4 blocks a group and 4 hashes; 'b' was added with 2 hashes and holds
+    nothing; 'f' stored and finished with its store in flight, so it is still tracked
+    (finished) and every hook must refuse it."""
+    s = OffloadScheduler(CFG, CPUOffloadManager(CFG.num_cpu_blocks))
+    s.add_request(RequestInfo("a", 16, A[:4]))
+    s.add_request(RequestInfo("b", 8, B[:2]))
+    s.add_request(RequestInfo("f", 8, F[:2]))
+    for rid, tokens in (("a", 16), ("b", 8), ("f", 8)):
+        s.lookup(rid, 0, tokens)
+    first = StepInput((ScheduledRequest("a", 16, 0, 16, ((1, 2, 3, 4), (5, 6, 7, 8))),
+                       ScheduledRequest("f", 8, 0, 8, ((11, 12), (13, 14)))),
+                      (), frozenset({1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14}))
+    assert s.build_step(first).stores
+    s.request_finished("f")
+    assert s._reqs["f"].finished
+    return s
+
+
+def vouch(s: OffloadScheduler, step: StepInput) -> int:
+    return scheduler_module.step_vouch(step.requests, s._reqs, step.preempted,
+                                       s._vouch_layout, s._hash_len or 0)
+
+
+def python_checks(s: OffloadScheduler, step: StepInput) -> int | type[Exception] | None:
+    """What ``_validate_step`` answers with the C pass declining: the hash length, or
+    the class of the error it raises."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(scheduler_module, "step_vouch", lambda *a: -1)
+        try:
+            return s._validate_step(step)
+        except KVCoreError as e:
+            return type(e)
+
+
+# Ids around every edge the checks draw: the null block, the last real block, the first
+# past the pool, and repeats (few values, so a table often holds one twice).
+IDS = st.lists(st.sampled_from([0, 1, 31, 32, LIMIT - 1, LIMIT, LIMIT + 1]),
+               max_size=3).map(tuple)
+# Per request, a step the checks accept ('a' decodes one block, 'b' prefills two, 'f'
+# is finished): each field is kept or redrawn, so most examples change one or two things.
+BASE = {"a": (4, 16, 20, 1), "b": (8, 0, 8, 2), "f": (4, 8, 12, 1), "gone": (4, 0, 4, 1)}
+
+
+@st.composite
+def scheduled(draw: Any, rid: str) -> ScheduledRequest:
+    scheduled_tokens, computed, num_tokens, blocks = BASE[rid]
+    def kept(value: Any, other: st.SearchStrategy[Any]) -> Any:
+        return value if draw(st.integers(0, 3)) else draw(other)
+    fresh = tuple(tuple(range(10 * g + 40, 10 * g + 40 + blocks)) for g in range(2))
+    new_ids = kept(fresh, st.sampled_from([0, 1, 2, 3]).flatmap(
+        lambda n: st.tuples(*[IDS] * n)))
+    size = kept(8, st.just(16))
+    source = {"a": A, "b": B, "f": F}.get(rid, A)
+    count = kept(1 if rid != "b" else 0, st.integers(0, 3))
+    new_hashes = tuple(h * (size // 8) for h in source[4:4 + count])
+    return ScheduledRequest(rid, kept(scheduled_tokens, st.integers(0, 12)),
+                            kept(computed, st.integers(0, 24)),
+                            kept(num_tokens, st.integers(0, 36)), new_ids, new_hashes,
+                            kept(False, st.just(True)))
+
+
+@st.composite
+def steps(draw: Any) -> StepInput:
+    rids = draw(st.lists(st.sampled_from(["a", "b", "a", "b", "f", "gone"]), unique=True,
+                         min_size=1, max_size=4))
+    requests = tuple(draw(scheduled(rid)) for rid in rids)
+    preempted = draw(st.sets(st.sampled_from([r for r in rids if r in "ab"] or ["a"])))
+    return StepInput(requests, tuple(preempted), frozenset())
+
+
+def one(rid: str = "a", new_ids: Any = ((31,), (32,)), **kw: Any) -> StepInput:
+    scheduled_tokens, computed, num_tokens, _ = BASE[rid]
+    fields = {"scheduled_tokens": scheduled_tokens, "computed_tokens": computed,
+              "num_tokens": num_tokens, "new_hashes": A[4:5], **kw}
+    return StepInput((ScheduledRequest(rid, new_block_ids=new_ids, **fields),), (),
+                     frozenset())
+
+
+@settings(max_examples=400, deadline=None)
+@given(step=steps())
+@example(step=one(new_ids=((LIMIT - 1,), (LIMIT - 1,))))  # the last real block
+@example(step=one(new_ids=((31,), (LIMIT,))))  # past the pool, in a window group
+@example(step=one(new_ids=((31, 31), (32,))))  # a FULL block twice
+@example(step=one(new_ids=((31,), (32, 32))))  # a window block twice: fine
+@example(step=one(new_ids=((0,), (32,))))  # the null block in a FULL group
+@example(step=one(new_ids=((31,), (0,))))  # ... in a window group: fine
+def test_the_c_pass_vouches_exactly_when_the_python_checks_accept(step: StepInput) -> None:
+    s = history()
+    python = python_checks(s, step)
+    answer = vouch(s, step)
+    if isinstance(python, type):
+        assert answer == -1, f"vouched for a step the Python checks refuse ({python})"
+    else:
+        assert answer >= 0, "declined a step the Python checks accept"
+        assert (answer or None) == python
+
+
+def decode(rid: str = "a", **kw: Any) -> ScheduledRequest:
+    fields: dict[str, Any] = {"scheduled_tokens": 4, "computed_tokens": 16,
+                              "num_tokens": 20, "new_block_ids": ((31,), (32,)),
+                              "new_hashes": A[4:5], **kw}
+    return ScheduledRequest(rid, **fields)
+
+
+def test_a_decode_step_is_vouched_for_and_the_scheduler_takes_the_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    s = history()
+    step = StepInput((decode(),), (), frozenset({31, 32}))
+    assert vouch(s, step) == 8
+    calls: list[object] = []
+    original = OffloadScheduler._validate_scheduled
+
+    def counted(self: OffloadScheduler, *a: Any) -> Any:
+        calls.append(a)
+        return original(self, *a)
+
+    monkeypatch.setattr(OffloadScheduler, "_validate_scheduled", counted)
+    s.build_step(step)
+    assert calls == [], "the Python checks ran although the C pass vouched"
+    assert s._hash_len == 8
+
+
+class SubRequest(ScheduledRequest):
+    pass
+
+
+class SubDict(dict):  # type: ignore[type-arg]
+    pass
+
+
+def hostile(case: str, s: OffloadScheduler) -> tuple[Any, Any, Any]:
+    """(requests, states, preempted) with one object not of its exact type."""
+    sr = decode()
+    states: Any = s._reqs
+    if case == "request subclass":
+        sr = SubRequest(**{f: getattr(sr, f) for f in sr.__dataclass_fields__})
+    elif case == "ids as lists":
+        object.__setattr__(sr, "new_block_ids", [[31], [32]])
+    elif case == "a bool id":
+        object.__setattr__(sr, "new_block_ids", ((True,), (32,)))
+    elif case == "a negative id":
+        object.__setattr__(sr, "new_block_ids", ((-1,), (32,)))
+    elif case == "an id past 2**63":
+        object.__setattr__(sr, "new_block_ids", ((2**64 + 5,), (32,)))
+    elif case == "a bytearray hash":
+        object.__setattr__(sr, "new_hashes", (bytearray(A[4]),))
+    elif case == "hashes as a list":
+        object.__setattr__(sr, "new_hashes", [A[4]])
+    elif case == "tokens as a float":
+        object.__setattr__(sr, "num_tokens", 20.0)
+    elif case == "resumed as 1":
+        object.__setattr__(sr, "resumed", 1)
+    elif case == "a request id subclass":
+        object.__setattr__(sr, "request_id", type("S", (str,), {})("a"))
+    elif case == "states a dict subclass":
+        states = SubDict(s._reqs)
+    elif case == "tables a tuple":
+        s._reqs["a"].tables = tuple(s._reqs["a"].tables)  # type: ignore[assignment]
+    elif case == "a table a list":
+        s._reqs["a"].tables[0] = list(s._reqs["a"].tables[0])  # type: ignore[call-overload]
+    elif case == "a table an array subclass":
+        s._reqs["a"].tables[0] = type("A", (array,), {})("i", s._reqs["a"].tables[0])
+    elif case == "hash size a bool":
+        s._reqs["a"].hashes.size = True
+    elif case == "finished as 0":
+        s._reqs["a"].finished = 0  # type: ignore[assignment]
+    elif case == "preempted a frozenset":
+        return (sr,), states, frozenset({"b"})
+    elif case == "a preempted id a str subclass":
+        return (sr,), states, (type("S", (str,), {})("b"),)
+    return (sr,), states, ()
+
+
+HOSTILE = ["request subclass", "ids as lists", "a bool id", "a negative id",
+           "an id past 2**63", "a bytearray hash", "hashes as a list", "tokens as a float",
+           "resumed as 1", "a request id subclass", "states a dict subclass",
+           "tables a tuple", "a table a list", "a table an array subclass",
+           "hash size a bool", "finished as 0", "preempted a frozenset",
+           "a preempted id a str subclass"]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_the_c_pass_declines_what_is_not_of_its_exact_type(case: str) -> None:
+    s = history()
+    assert scheduler_module.step_vouch((decode(),), s._reqs, ("b",), s._vouch_layout,
+                                       0) == 8, "the plain request is vouched for"
+    requests, states, preempted = hostile(case, s)
+    assert scheduler_module.step_vouch(requests, states, preempted, s._vouch_layout,
+                                       0) == -1
+
+
+@pytest.mark.parametrize("layout", [
+    (), "x", (ScheduledRequest,) * 8,
+    lambda lay: (*lay[:4], 0, *lay[5:]),
+    lambda lay: (*lay[:6], (4, 0), *lay[7:]),
+    lambda lay: (*lay[:6], (4,), *lay[7:]),
+    lambda lay: (*lay[:7], (1, 0)),
+])
+def test_a_malformed_layout_is_a_value_error(layout: Any) -> None:
+    s = history()
+    if callable(layout):
+        layout = layout(s._vouch_layout)
+    with pytest.raises(ValueError, match="step_vouch: layout"):
+        scheduler_module.step_vouch((), s._reqs, (), layout, 0)
+
+
+def test_a_hostile_request_still_gets_the_python_checks_error() -> None:
+    """Declining is not accepting: the Python path then raises the kvcore error, and the
+    request before the bad one is not applied."""
+    s = history()
+    bad = decode()
+    object.__setattr__(bad, "new_block_ids", [(LIMIT,), (32,)])
+    fine = decode("b", computed_tokens=0, scheduled_tokens=8, num_tokens=8,
+                  new_block_ids=((40, 41), (42, 43)), new_hashes=())
+    with pytest.raises(BlockIdError, match=r"new_block_ids\[0\]\[0\]"):
+        s.build_step(StepInput((fine, bad), (), frozenset()))
+    assert len(s._reqs["b"].tables[0]) == 0
