@@ -565,6 +565,413 @@ static PyObject *step_vouch(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLongLong(hash_len);
 }
 
+/* The quiet-store rule (kvcore/scheduler/_rules.py, ``quiet_cursors``) for one
+ * request with no busy list, as C: the cursors after a step in which no group has a
+ * chunk to offer, written into moved[]; 1 when quiet, 0 when some group may offer (the
+ * Python path decides then). ``shape`` is the scheduler's quiet layout: per group
+ * (tokens per chunk, draft, keep-rule period or 0, the kept offsets' (start, stop)
+ * spans). Read from a layout checked by quiet_layout. */
+typedef struct {
+    long long tokens;
+    int draft;
+    long long period;   /* 0: every chunk kept (no keep rule) */
+    PyObject *spans;    /* borrowed: a tuple of (start, stop) exact-int pairs */
+} QuietGroup;
+
+static int kept_offset(const QuietGroup *q, long long offset)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(q->spans);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *span = PyTuple_GET_ITEM(q->spans, i);
+        long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(span, 0));
+        long long stop = PyLong_AsLongLong(PyTuple_GET_ITEM(span, 1));
+        if (start <= offset && offset < stop)
+            return 1;
+    }
+    return 0;
+}
+
+static int quiet_rule(const QuietGroup *shape, Py_ssize_t groups, long long frontier,
+                      long long storable, long long *moved)
+{
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const QuietGroup *q = &shape[g];
+        long long end = storable / q->tokens;
+        if (q->draft) {
+            long long cap = frontier / q->tokens - 1;
+            if (cap < 0)
+                cap = 0;
+            if (cap < end)
+                end = cap;
+        }
+        long long cursor = moved[g];
+        if (end <= cursor)
+            continue;
+        if (q->period == 0 || end - cursor >= q->period)
+            return 0; /* no keep rule, or a whole segment passed: it holds a kept chunk */
+        for (long long chunk = cursor; chunk < end; chunk++)
+            if (kept_offset(q, chunk % q->period))
+                return 0;
+        moved[g] = end;
+    }
+    return 1;
+}
+
+/* The quiet layout: 1 when well formed (filled into shape[], *groups), else 0 with
+ * ValueError set. */
+static int quiet_layout(PyObject *layout, QuietGroup *shape, Py_ssize_t *groups)
+{
+    PyObject **items = NULL;
+    if (!PyTuple_CheckExact(layout) || !items_of(layout, &items, groups) || *groups < 1 ||
+        *groups > VOUCH_MAX_GROUPS)
+        goto bad;
+    for (Py_ssize_t g = 0; g < *groups; g++) {
+        PyObject *entry = items[g];
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4)
+            goto bad;
+        QuietGroup *q = &shape[g];
+        q->tokens = id_value(PyTuple_GET_ITEM(entry, 0));
+        PyObject *draft = PyTuple_GET_ITEM(entry, 1);
+        q->period = id_value(PyTuple_GET_ITEM(entry, 2));
+        q->spans = PyTuple_GET_ITEM(entry, 3);
+        if (q->tokens < 1 || (draft != Py_True && draft != Py_False) || q->period < 0 ||
+            !PyTuple_CheckExact(q->spans))
+            goto bad;
+        q->draft = draft == Py_True;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(q->spans); i++) {
+            PyObject *span = PyTuple_GET_ITEM(q->spans, i);
+            if (!PyTuple_CheckExact(span) || PyTuple_GET_SIZE(span) != 2 ||
+                id_value(PyTuple_GET_ITEM(span, 0)) < 0 || id_value(PyTuple_GET_ITEM(span, 1)) < 0)
+                goto bad;
+        }
+    }
+    return 1;
+bad:
+    PyErr_SetString(PyExc_ValueError, "quiet layout: one (tokens per chunk, draft, period "
+                    "or 0, ((start, stop), ...)) per group");
+    return 0;
+}
+
+/* quiet_step(shape, cursors, frontier, storable) -> list | None: ``quiet_cursors`` with
+ * no busy list, for tests/unit/test_quiet_cursors.py to hold the C rule to the Python
+ * one. */
+static PyObject *quiet_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    QuietGroup shape[VOUCH_MAX_GROUPS];
+    long long moved[VOUCH_MAX_GROUPS];
+    Py_ssize_t groups = 0, n = 0;
+    PyObject **cursors = NULL;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "quiet_step(shape, cursors, frontier, storable)");
+        return NULL;
+    }
+    if (!quiet_layout(args[0], shape, &groups))
+        return NULL;
+    long long frontier = id_value(args[2]), storable = id_value(args[3]);
+    if (!items_of(args[1], &cursors, &n) || n != groups || frontier < 0 || storable < 0) {
+        PyErr_SetString(PyExc_ValueError, "quiet_step: one cursor per group, ints >= 0");
+        return NULL;
+    }
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        moved[g] = id_value(cursors[g]);
+        if (moved[g] < 0) {
+            PyErr_SetString(PyExc_ValueError, "quiet_step: one cursor per group, ints >= 0");
+            return NULL;
+        }
+    }
+    if (!quiet_rule(shape, groups, frontier, storable, moved))
+        Py_RETURN_NONE;
+    PyObject *out = PyList_New(groups);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        PyObject *v = PyLong_FromLongLong(moved[g]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, g, v);
+    }
+    return out;
+}
+
+static PyObject *a_jobs, *a_max_offload_tokens, *a_cursors, *a_placed, *m_extend,
+    *m_frombytes, *m_place, *m_clear_tables;
+
+/* An attribute that must be there: a new reference, or NULL with RuntimeError set. */
+static PyObject *must_attr(PyObject *o, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL && !PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_RuntimeError, "step_apply: %R is gone from a vouched step", name);
+    }
+    return v;
+}
+
+static int changed(Py_ssize_t i)
+{
+    PyErr_Format(PyExc_RuntimeError, "step_apply: request %zd changed after step_vouch "
+                 "vouched for it", i);
+    return -1;
+}
+
+/* Apply one vouched request's new hashes and blocks (``_apply_blocks``): 0, or -1 with
+ * an error set. */
+static int apply_request(PyObject *sr, PyObject *state, const int *window,
+                         Py_ssize_t groups, long long pack_from, PyObject *step_no,
+                         Py_ssize_t i)
+{
+    int rc = -1;
+    PyObject *hashes = NULL, *chain = NULL, *resumed = NULL, *ids = NULL, *tables = NULL;
+    PyObject *placed = NULL;
+    hashes = must_attr(sr, a_new_hashes);
+    if (hashes == NULL)
+        goto done;
+    if (!PyTuple_CheckExact(hashes)) {
+        changed(i);
+        goto done;
+    }
+    if (PyTuple_GET_SIZE(hashes)) {
+        chain = must_attr(state, a_hashes);
+        if (chain == NULL)
+            goto done;
+        PyObject *r = PyObject_CallMethodOneArg(chain, m_extend, hashes);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    resumed = must_attr(sr, a_resumed);
+    if (resumed == NULL)
+        goto done;
+    if (resumed == Py_True) {
+        PyObject *r = PyObject_CallMethodNoArgs(state, m_clear_tables);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    ids = must_attr(sr, a_new_block_ids);
+    if (ids == NULL)
+        goto done;
+    if (!PyTuple_CheckExact(ids) || (PyTuple_GET_SIZE(ids) && PyTuple_GET_SIZE(ids) != groups)) {
+        changed(i);
+        goto done;
+    }
+    if (PyTuple_GET_SIZE(ids)) {
+        /* Read after clear_tables, which replaces both lists. */
+        tables = must_attr(state, a_tables);
+        placed = must_attr(state, a_placed);
+        if (tables == NULL || placed == NULL)
+            goto done;
+        if (!PyList_CheckExact(tables) || PyList_GET_SIZE(tables) != groups ||
+            !PyList_CheckExact(placed) || PyList_GET_SIZE(placed) != groups) {
+            changed(i);
+            goto done;
+        }
+    }
+    for (Py_ssize_t g = 0; g < PyTuple_GET_SIZE(ids); g++) {
+        PyObject *t = PyTuple_GET_ITEM(ids, g);
+        if (!PyTuple_CheckExact(t)) {
+            changed(i);
+            goto done;
+        }
+        Py_ssize_t n = PyTuple_GET_SIZE(t);
+        if (n == 0)
+            continue;
+        PyObject *table = PyList_GET_ITEM(tables, g);
+        Py_INCREF(table);
+        PyObject *r = NULL;
+        if (window[g]) {
+            PyObject *first = PyLong_FromSsize_t(PyObject_Size(table));
+            if (first != NULL) {
+                PyObject *call[3] = {PyList_GET_ITEM(placed, g), first, step_no};
+                r = PyObject_VectorcallMethod(m_place, call, 3, NULL);
+                Py_DECREF(first);
+            }
+            if (r == NULL) {
+                Py_DECREF(table);
+                goto done;
+            }
+            Py_DECREF(r);
+        }
+        if (n < pack_from) {
+            r = PyObject_CallMethodOneArg(table, m_extend, t);
+        } else {
+            PyObject *packed = pack_ids(NULL, t);
+            r = packed == NULL ? NULL : PyObject_CallMethodOneArg(table, m_frombytes, packed);
+            Py_XDECREF(packed);
+        }
+        Py_DECREF(table);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    rc = 0;
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(chain);
+    Py_XDECREF(resumed);
+    Py_XDECREF(ids);
+    Py_XDECREF(tables);
+    Py_XDECREF(placed);
+    return rc;
+}
+
+/* 1 when request i's store step is quiet (its cursors moved here), 0 when the Python
+ * store path must run for it, -1 with an error set. Quiet needs: no job in flight (the
+ * Python path reads their kinds), no cap on U (U = the frontier), and no group with a
+ * chunk to offer. */
+static int quiet_request(PyObject *sr, PyObject *state, const QuietGroup *shape,
+                         Py_ssize_t groups, Py_ssize_t i)
+{
+    int rc = 0;
+    long long moved[VOUCH_MAX_GROUPS];
+    PyObject *jobs = NULL, *cap = NULL, *cursors = NULL;
+    jobs = must_attr(state, a_jobs);
+    cap = jobs == NULL ? NULL : must_attr(state, a_max_offload_tokens);
+    cursors = cap == NULL ? NULL : must_attr(state, a_cursors);
+    if (cursors == NULL) {
+        rc = -1;
+        goto done;
+    }
+    if (!PyAnySet_CheckExact(jobs) || PySet_GET_SIZE(jobs) != 0 || cap != Py_None)
+        goto done; /* a job in flight or a cap on U: the Python path */
+    if (!PyList_CheckExact(cursors) || PyList_GET_SIZE(cursors) != groups) {
+        rc = changed(i);
+        goto done;
+    }
+    long long computed = int_attr(sr, a_computed_tokens);
+    long long scheduled = int_attr(sr, a_scheduled_tokens);
+    long long num_tokens = int_attr(sr, a_num_tokens);
+    if (computed < 0 || scheduled < 0 || num_tokens < 0) {
+        rc = changed(i);
+        goto done;
+    }
+    long long frontier = computed + scheduled < num_tokens ? computed + scheduled : num_tokens;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        moved[g] = id_value(PyList_GET_ITEM(cursors, g));
+        if (moved[g] < 0) {
+            rc = changed(i);
+            goto done;
+        }
+    }
+    if (!quiet_rule(shape, groups, frontier, frontier, moved))
+        goto done;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        if (moved[g] == id_value(PyList_GET_ITEM(cursors, g)))
+            continue;
+        PyObject *v = PyLong_FromLongLong(moved[g]);
+        if (v == NULL || PyList_SetItem(cursors, g, v) < 0) {
+            rc = -1;
+            goto done;
+        }
+    }
+    rc = 1;
+done:
+    Py_XDECREF(jobs);
+    Py_XDECREF(cap);
+    Py_XDECREF(cursors);
+    return rc;
+}
+
+/* step_apply(requests, states, preempted, layout, step_no, quiet) -> list[int]
+ *
+ * The rest of ``build_step``'s per-request loop, for a step step_vouch vouched for:
+ * applies every request's new hashes and blocks (``_apply_blocks``: the same calls on
+ * the same objects, in the same order), and with ``quiet`` (checks off) answers the
+ * quiet store steps too (``_store_step``'s fast path: the cursors move, nothing is
+ * offered). It answers the indexes of the requests, not preempted, whose store step the
+ * Python path must still run, in order. ``layout`` is (window flags per group, the quiet
+ * shape, pack_from): built once per scheduler. */
+static PyObject *step_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "step_apply(requests, states, preempted, layout, "
+                        "step_no, quiet) takes 6 arguments");
+        return NULL;
+    }
+    PyObject *layout = args[3], *step_no = args[4];
+    int quiet = PyObject_IsTrue(args[5]);
+    QuietGroup shape[VOUCH_MAX_GROUPS];
+    int window[VOUCH_MAX_GROUPS];
+    Py_ssize_t groups = 0, nw = 0, n = 0, n_gone = 0;
+    PyObject **flags = NULL, **items = NULL, **gone = NULL;
+    if (quiet < 0)
+        return NULL;
+    if (!PyTuple_CheckExact(layout) || PyTuple_GET_SIZE(layout) != 3 ||
+        !items_of(PyTuple_GET_ITEM(layout, 0), &flags, &nw) ||
+        !quiet_layout(PyTuple_GET_ITEM(layout, 1), shape, &groups) || nw != groups ||
+        id_value(PyTuple_GET_ITEM(layout, 2)) < 1 || id_value(step_no) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "step_apply: layout is (window flags, quiet "
+                            "shape, pack_from) and step_no an int >= 0");
+        return NULL;
+    }
+    long long pack_from = id_value(PyTuple_GET_ITEM(layout, 2));
+    for (Py_ssize_t g = 0; g < groups; g++)
+        window[g] = flags[g] == Py_True;
+    if (!items_of(args[0], &items, &n) || !PyDict_CheckExact(args[1]) ||
+        !items_of(args[2], &gone, &n_gone)) {
+        PyErr_SetString(PyExc_RuntimeError, "step_apply: the step changed after step_vouch "
+                        "vouched for it");
+        return NULL;
+    }
+    PyObject *held = args[0], *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    Py_INCREF(held);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t again = 0;
+        if (!items_of(held, &items, &again) || again != n) {
+            changed(i);
+            goto fail;
+        }
+        PyObject *sr = items[i];
+        Py_INCREF(sr);
+        PyObject *rid = must_attr(sr, a_request_id);
+        PyObject *state = rid == NULL ? NULL : PyDict_GetItemWithError(args[1], rid);
+        if (state == NULL) {
+            if (!PyErr_Occurred())
+                changed(i);
+            Py_XDECREF(rid);
+            Py_DECREF(sr);
+            goto fail;
+        }
+        Py_INCREF(state);
+        int rc = apply_request(sr, state, window, groups, pack_from, step_no, i);
+        int preempted = 0;
+        if (rc == 0) {
+            items_of(args[2], &gone, &n_gone);
+            for (Py_ssize_t k = 0; k < n_gone && !preempted; k++)
+                preempted = PyUnicode_CheckExact(gone[k]) && PyUnicode_Compare(gone[k], rid) == 0;
+        }
+        if (rc == 0 && !preempted) {
+            int fast = quiet ? quiet_request(sr, state, shape, groups, i) : 0;
+            if (fast < 0) {
+                rc = -1;
+            } else if (fast == 0) {
+                PyObject *index = PyLong_FromSsize_t(i);
+                if (index == NULL || PyList_Append(out, index) < 0)
+                    rc = -1;
+                Py_XDECREF(index);
+            }
+        }
+        Py_DECREF(state);
+        Py_DECREF(rid);
+        Py_DECREF(sr);
+        if (rc < 0)
+            goto fail;
+    }
+    Py_DECREF(held);
+    return out;
+fail:
+    Py_DECREF(held);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef scan_methods[] = {
     {"suffixed", (PyCFunction)(void (*)(void))suffixed, METH_FASTCALL,
      "suffixed(seq, suffix) -> [item + suffix for item in seq] for bytes items."},
@@ -583,6 +990,11 @@ static PyMethodDef scan_methods[] = {
     {"step_vouch", (PyCFunction)(void (*)(void))step_vouch, METH_FASTCALL,
      "step_vouch(requests, states, preempted, layout, hash_len) -> the hash length after "
      "the step when every scheduled request is certainly fine, else -1."},
+    {"step_apply", (PyCFunction)(void (*)(void))step_apply, METH_FASTCALL,
+     "step_apply(requests, states, preempted, layout, step_no, quiet) -> indexes of the "
+     "requests whose store step the Python path must run."},
+    {"quiet_step", (PyCFunction)(void (*)(void))quiet_step, METH_FASTCALL,
+     "quiet_step(shape, cursors, frontier, storable) -> the quiet cursors, or None."},
     {"pack_ids", (PyCFunction)pack_ids, METH_O,
      "pack_ids(seq) -> bytes of native C ints; ValueError unless every item is an exact "
      "int in 0..INT_MAX."},
@@ -605,7 +1017,10 @@ PyMODINIT_FUNC PyInit__scan(void)
         {&a_computed_tokens, "computed_tokens"}, {&a_num_tokens, "num_tokens"},
         {&a_new_block_ids, "new_block_ids"}, {&a_new_hashes, "new_hashes"},
         {&a_resumed, "resumed"}, {&a_finished, "finished"}, {&a_hashes, "hashes"},
-        {&a_size, "size"}, {&a_tables, "tables"},
+        {&a_size, "size"}, {&a_tables, "tables"}, {&a_jobs, "jobs"},
+        {&a_max_offload_tokens, "max_offload_tokens"}, {&a_cursors, "cursors"},
+        {&a_placed, "placed"}, {&m_extend, "extend"}, {&m_frombytes, "frombytes"},
+        {&m_place, "place"}, {&m_clear_tables, "clear_tables"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if (*names[i].slot == NULL) {

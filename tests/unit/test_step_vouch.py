@@ -1,4 +1,5 @@
-"""``step_vouch`` (native/kvcore_scan.c) against the scheduler's Python step checks.
+"""``step_vouch`` and ``step_apply`` (native/kvcore_scan.c) against the scheduler's Python
+step checks and per-request loop.
 
 Goal: ``build_step`` skips its per-request Python checks whenever the C pass vouches for
 the step, so a C pass that vouches for one bad request lets it change the state (a
@@ -14,6 +15,15 @@ its distinct test dropped; ``<=`` for ``<`` in the block count; the preempted re
 early accept dropped or taken before its ids are read; the finished test dropped; the
 hash length compared with nothing, or the hash count left out; any exact-type test
 loosened to its subclass-accepting form; and the scheduler ignoring the answer.
+
+``step_apply`` then applies the vouched step's blocks and, with checks off, moves the
+cursors of the requests whose store step is quiet; the Python store path runs for the
+rest. Each of these mutants of it was tried and fails a test below: a window placement
+skipped, a resumed request's tables extended instead of rebuilt, a request with a load in
+flight or with its own cap taken as quiet, a scheduled-and-preempted request stored, a
+quiet cursor not written, the draft cap off by one, a kept offset missed at a span's
+edge, the segment short cut taken for a partial segment. (Packing every table extend,
+or none, changes no table: equivalent.)
 """
 
 from __future__ import annotations
@@ -26,11 +36,18 @@ from bad_input_layout import CFG, hashes
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvcore._scan import quiet_step
 from kvcore.manager import CPUOffloadManager
+from kvcore.presets import PRESETS, preset
 from kvcore.scheduler import scheduler as scheduler_module
+from kvcore.scheduler._rules import quiet_cursors
 from kvcore.scheduler.scheduler import OffloadScheduler
+from kvcore.sim import SimOptions, Simulator
+from kvcore.sim._lockstep import plain
+from kvcore.sim._snapshot import snapshot
 from kvcore.spec.errors import BlockIdError, KVCoreError
-from kvcore.spec.hooks import RequestInfo, ScheduledRequest, StepInput
+from kvcore.spec.hooks import RequestInfo, ScheduledRequest, StepInput, WorkerReport
+from kvcore.spec.types import GroupKind, GroupSpec, KeptOffsets, OffloadConfig
 
 A, B, F = hashes(8), hashes(8, seed=1), hashes(8, seed=2)
 LIMIT = CFG.num_gpu_blocks
@@ -66,7 +83,7 @@ def python_checks(s: OffloadScheduler, step: StepInput) -> int | type[Exception]
     with pytest.MonkeyPatch.context() as m:
         m.setattr(scheduler_module, "step_vouch", lambda *a: -1)
         try:
-            return s._validate_step(step)
+            return s._validate_step(step)[0]
         except KVCoreError as e:
             return type(e)
 
@@ -254,3 +271,191 @@ def test_a_hostile_request_still_gets_the_python_checks_error() -> None:
     with pytest.raises(BlockIdError, match=r"new_block_ids\[0\]\[0\]"):
         s.build_step(StepInput((fine, bad), (), frozenset()))
     assert len(s._reqs["b"].tables[0]) == 0
+
+
+# -- step_apply: the rest of the per-request loop ----------------------------------------
+
+
+class Recording(OffloadScheduler):
+    """Keeps every step's plan and every request's state after it, as plain data (the
+    state, not only the plans: a quiet cursor left behind is offered the same skipped
+    chunks again later, so the plans alone would not show it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.plans: list[Any] = []
+
+    def build_step(self, step: StepInput) -> Any:
+        plan = super().build_step(step)
+        self.plans.append((plain(plan), snapshot(self._reqs)))
+        return plan
+
+
+def run(name: str, python: bool, check: bool, **options: Any) -> tuple[Any, Any, int]:
+    """One seeded simulator run's plans and final scheduler state, and how many steps
+    the C passes took, with them on or forced off (``python``)."""
+    took = [0]
+    real = scheduler_module.step_apply
+
+    def counted(*a: Any) -> Any:
+        took[0] += 1
+        return real(*a)
+
+    base: dict[str, Any] = {"seed": 3, "requests": 14, "context_tokens": 300,
+                            "max_new_tokens": 40, "preempt_rate": 0.2, **options}
+    with pytest.MonkeyPatch.context() as m:
+        if python:
+            m.setattr(scheduler_module, "step_vouch", lambda *a: -1)
+        m.setattr(scheduler_module, "step_apply", counted)
+        sim = Simulator(preset(name), SimOptions(**base), check=check,
+                        scheduler_factory=Recording)
+        sim.run()
+    sched = sim.scheduler
+    assert isinstance(sched, Recording)
+    return sched.plans, snapshot(sched), took[0]
+
+
+@pytest.mark.parametrize(("name", "check", "options"), [
+    ("deepseek-v4-mtp", False, {}),
+    ("deepseek-v4-mtp", True, {}),
+    ("llama3-eagle3", False, {"policy": "arc"}),
+    ("gpt-oss", False, {"max_offload_tokens": 200}),
+    ("qwen3-next-mtp", False, {"request_cap_rate": 0.5}),
+    ("gemma3", False, {"prompt_only": True}),
+    # Shared prefixes and late reports: loads stay in flight while their requests go on
+    # prefilling and decoding, and every other request has its own cap on U; both must
+    # keep the Python store path (a load in flight moves no cursor; a cap lowers U).
+    ("deepseek-v4-mtp", False, {"shared_prefix_rate": 1.0, "delay_rate": 0.8,
+                                "request_cap_rate": 0.5, "prefill_budget": 64,
+                                "seed": 5}),
+])
+def test_the_c_passes_leave_every_plan_and_state_as_the_python_loop_does(
+        name: str, check: bool, options: dict[str, Any]) -> None:
+    """Goal: step_apply applies blocks and moves quiet cursors exactly as
+    ``_apply_blocks`` and ``_store_step`` do, over whole workloads (preemptions with
+    their resent tables, caps, late reports, checks on and off)."""
+    c_plans, c_state, took = run(name, python=False, check=check, **options)
+    py_plans, py_state, none = run(name, python=True, check=check, **options)
+    assert took >= len(c_plans) // 2 > 0 and none == 0
+    assert c_plans == py_plans
+    assert c_state == py_state
+
+
+QUIET_SHAPES = st.lists(st.tuples(st.integers(1, 8), st.booleans(), st.integers(0, 6)),
+                        min_size=1, max_size=4)
+
+
+@st.composite
+def quiet_cases(draw: Any) -> tuple[Any, Any, list[int], int, int]:
+    """A quiet layout in both forms (the Python rule's shape, the C pass's) with cursors,
+    frontier and storable."""
+    py_shape, c_shape = [], []
+    for tokens, draft, period in draw(QUIET_SHAPES):
+        if period == 0:
+            py_shape.append((tokens, draft, None))
+            c_shape.append((tokens, draft, 0, ()))
+            continue
+        cuts = sorted(draw(st.lists(st.integers(0, period), max_size=4)))
+        spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=False) if a < b]
+        kept = KeptOffsets.of(period, spans)
+        py_shape.append((tokens, draft, (period, kept)))
+        c_shape.append((tokens, draft, period, kept.spans))
+    frontier = draw(st.integers(0, 80))
+    storable = draw(st.integers(0, frontier))
+    cursors = [draw(st.integers(0, 12)) for _ in py_shape]
+    return tuple(py_shape), tuple(c_shape), cursors, frontier, storable
+
+
+@settings(max_examples=500, deadline=None)
+@given(case=quiet_cases())
+def test_the_c_quiet_rule_answers_as_quiet_cursors(case: Any) -> None:
+    """Kills: the draft cap dropped or off by one, ``<`` for ``<=`` in the passed test,
+    the segment short cut taken for a partial segment, a kept offset missed at a span's
+    edge, the cursor not moved."""
+    py_shape, c_shape, cursors, frontier, storable = case
+    assert quiet_step(c_shape, cursors, frontier, storable) == \
+        quiet_cursors(py_shape, cursors, frontier, storable)
+
+
+def test_the_schedulers_quiet_layout_is_its_store_shape() -> None:
+    for name in PRESETS:
+        s = OffloadScheduler(preset(name), CPUOffloadManager(64))
+        window, shape, pack_from = s._apply_layout
+        assert window == tuple(g.kind is not GroupKind.FULL for g in s.config.groups)
+        assert pack_from == scheduler_module._PACK_FROM
+        for (tokens, draft, period, spans), (t, d, rule) in zip(
+                shape, s._store_shape, strict=True):
+            assert (tokens, draft) == (t, d)
+            assert (period, spans) == ((0, ()) if rule is None else (rule[0], rule[1].spans))
+
+
+@pytest.mark.parametrize("layout", [(), ((1, True, 0, ()),) * 65, ((0, True, 0, ()),),
+                                    ((1, 1, 0, ()),), ((1, True, -1, ()),),
+                                    ((1, True, 4, [(0, 1)]),), ((1, True, 4, ((0,),)),),
+                                    ((1, True, 4, ((0, -1),)),), ((1, True, 4),)])
+def test_a_malformed_quiet_layout_is_a_value_error(layout: Any) -> None:
+    with pytest.raises(ValueError, match="quiet layout"):
+        quiet_step(layout, [0] * max(len(layout), 1), 0, 0)
+
+
+def both(make: Any) -> None:
+    """One step on two copies of ``history()``, through the C passes and through the
+    Python loop: the same plan (or the same error) and the same request state after."""
+    out = []
+    for python in (False, True):
+        s = history()
+        with pytest.MonkeyPatch.context() as m:
+            if python:
+                m.setattr(scheduler_module, "step_vouch", lambda *a: -1)
+            try:
+                result: Any = plain(s.build_step(make()))
+            except KVCoreError as e:
+                result = type(e)
+        out.append((result, snapshot(s._reqs)))
+    assert out[0] == out[1]
+
+
+def test_a_resumed_request_has_its_tables_rebuilt_not_extended() -> None:
+    """'a' holds 4 blocks a group; resumed, it resends all 5: 5 it must hold, not 9."""
+    both(lambda: StepInput((decode(new_block_ids=((1, 2, 3, 4, 31), (5, 6, 7, 8, 32)),
+                                   resumed=True),), (), frozenset({31, 32})))
+
+
+def test_a_request_scheduled_and_preempted_in_one_step_stores_nothing() -> None:
+    """Its blocks are applied to the cleared tables, and its store step never runs."""
+    both(lambda: StepInput((decode("b", computed_tokens=0, scheduled_tokens=8,
+                                   num_tokens=8, new_block_ids=((40, 41), (42, 43)),
+                                   new_hashes=()),),
+                           ("b",), frozenset({40, 41, 42, 43})))
+
+
+def test_a_request_whose_load_is_in_flight_moves_no_cursor() -> None:
+    """A quiet step of a request whose load is still in flight leaves its cursors where
+    the load put them (``_store_step`` returns before the quiet rule): here the window
+    group's chunk 4, which its keep rule skips, would otherwise be passed."""
+    cfg = OffloadConfig((GroupSpec(GroupKind.FULL, 4, blocks_per_chunk=4),
+                         GroupSpec(GroupKind.SLIDING, 4, window_tokens=4)),
+                        hash_block_tokens=4, num_gpu_blocks=64, num_cpu_blocks=64,
+                        num_workers=1)
+    prompt = hashes(10, seed=3)
+    out = []
+    for python in (False, True):
+        s = OffloadScheduler(cfg, CPUOffloadManager(cfg.num_cpu_blocks))
+        s.add_request(RequestInfo("a", 32, prompt[:8]))
+        assert s.lookup("a", 0, 32) == 0
+        ids = (tuple(range(1, 9)), tuple(range(11, 19)))
+        plan = s.build_step(StepInput((ScheduledRequest("a", 32, 0, 32, ids),), (),
+                                      frozenset(ids[0] + ids[1])))
+        s.worker_output([WorkerReport(0, p.job_id) for p in plan.stores])
+        s.add_request(RequestInfo("b", 40, prompt))
+        assert s.lookup("b", 0, 40) == 32
+        tables = (tuple(range(21, 30)), (0,) * 7 + tuple(range(37, 39)))
+        assert s.after_alloc("b", tables, (0, 0), 0, 32) is not None
+        with pytest.MonkeyPatch.context() as m:
+            if python:
+                m.setattr(scheduler_module, "step_vouch", lambda *a: -1)
+            step = s.build_step(StepInput((ScheduledRequest("b", 4, 32, 36, tables),), (),
+                                          frozenset(tables[0] + tables[1][7:])))
+        out.append((plain(step), list(s._reqs["b"].cursors)))
+    assert out[0] == out[1]
+    assert out[1][1] == [2, 8]
