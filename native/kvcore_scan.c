@@ -412,7 +412,8 @@ bad:
 static int vouch_ids(const VouchLayout *L, Py_ssize_t group, PyObject *ids, Py_ssize_t *n)
 {
     PyObject **items = NULL;
-    if (!items_of(ids, &items, n))
+    /* An exact tuple, as the hook builds it (step_apply extends tables only from one). */
+    if (!PyTuple_CheckExact(ids) || !items_of(ids, &items, n))
         return 0;
     for (Py_ssize_t i = 0; i < *n; i++) {
         long long v = id_value(items[i]);
@@ -500,6 +501,10 @@ static int vouch_request(const VouchLayout *L, PyObject *sr, PyObject *states,
     if (computed < 0 || scheduled < 0 || (resumed != Py_True && resumed != Py_False) ||
         tables == NULL || !PyList_CheckExact(tables) || PyList_GET_SIZE(tables) != L->groups)
         goto done;
+    /* The hook bounds each count by MAX_TOKENS, but a value set behind the frozen
+     * dataclass's back may be near 2**63: a sum that would overflow is not vouched for. */
+    if (scheduled > LLONG_MAX - computed)
+        goto done;
     long long frontier = computed + scheduled < num_tokens ? computed + scheduled : num_tokens;
     for (Py_ssize_t g = 0; g < L->groups; g++) {
         PyObject *table = PyList_GET_ITEM(tables, g);
@@ -544,20 +549,21 @@ static PyObject *step_vouch(PyObject *self, PyObject *const *args, Py_ssize_t na
     PyObject **items = NULL;
     PyObject **gone = NULL;
     Py_ssize_t n_gone = 0;
-    if (hash_len < 0 || !items_of(args[0], &items, &n) || !PyDict_CheckExact(args[1]) ||
+    /* The requests as StepInput holds them, an exact tuple: its items cannot change. */
+    if (hash_len < 0 || !PyTuple_CheckExact(args[0]) || !items_of(args[0], &items, &n) ||
+        !PyDict_CheckExact(args[1]) ||
         !items_of(args[2], &gone, &n_gone))
         return PyLong_FromLong(-1);
     /* Reading an attribute may allocate, and an allocation may run a garbage collection
-     * whose finalizers run Python code: hold the sequence so its items stay alive. */
+     * whose finalizers run Python code: hold the tuple (and each request while it is
+     * read) so that what is read stays alive. */
     PyObject *held = args[0];
     Py_INCREF(held);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t again = 0;
-        if (!items_of(held, &items, &again) || again != n) {
-            hash_len = -1; /* it changed while read: let the Python path read it */
-            break;
-        }
-        int fine = vouch_request(&L, items[i], args[1], args[2], &hash_len);
+        PyObject *sr = items[i];
+        Py_INCREF(sr);
+        int fine = vouch_request(&L, sr, args[1], args[2], &hash_len);
+        Py_DECREF(sr);
         if (fine < 0) {
             Py_DECREF(held);
             return NULL;
@@ -789,7 +795,8 @@ static int apply_request(PyObject *sr, PyObject *state, const int *window,
         Py_INCREF(table);
         PyObject *r = NULL;
         if (window[g]) {
-            PyObject *first = PyLong_FromSsize_t(PyObject_Size(table));
+            Py_ssize_t len = PyObject_Size(table);
+            PyObject *first = len < 0 ? NULL : PyLong_FromSsize_t(len);
             if (first != NULL) {
                 PyObject *call[3] = {PyList_GET_ITEM(placed, g), first, step_no};
                 r = PyObject_VectorcallMethod(m_place, call, 3, NULL);
@@ -829,7 +836,7 @@ done:
  * Python path reads their kinds), no cap on U (U = the frontier), and no group with a
  * chunk to offer. */
 static int quiet_request(PyObject *sr, PyObject *state, const QuietGroup *shape,
-                         Py_ssize_t groups, Py_ssize_t i)
+                         Py_ssize_t groups)
 {
     int rc = 0;
     long long moved[VOUCH_MAX_GROUPS];
@@ -843,24 +850,18 @@ static int quiet_request(PyObject *sr, PyObject *state, const QuietGroup *shape,
     }
     if (!PyAnySet_CheckExact(jobs) || PySet_GET_SIZE(jobs) != 0 || cap != Py_None)
         goto done; /* a job in flight or a cap on U: the Python path */
-    if (!PyList_CheckExact(cursors) || PyList_GET_SIZE(cursors) != groups) {
-        rc = changed(i);
-        goto done;
-    }
+    if (!PyList_CheckExact(cursors) || PyList_GET_SIZE(cursors) != groups)
+        goto done; /* not the list the scheduler made: the Python path reads it */
     long long computed = int_attr(sr, a_computed_tokens);
     long long scheduled = int_attr(sr, a_scheduled_tokens);
     long long num_tokens = int_attr(sr, a_num_tokens);
-    if (computed < 0 || scheduled < 0 || num_tokens < 0) {
-        rc = changed(i);
-        goto done;
-    }
+    if (computed < 0 || scheduled < 0 || num_tokens < 0 || scheduled > LLONG_MAX - computed)
+        goto done; /* the Python path reads them (step_vouch declined such a sum) */
     long long frontier = computed + scheduled < num_tokens ? computed + scheduled : num_tokens;
     for (Py_ssize_t g = 0; g < groups; g++) {
         moved[g] = id_value(PyList_GET_ITEM(cursors, g));
-        if (moved[g] < 0) {
-            rc = changed(i);
-            goto done;
-        }
+        if (moved[g] < 0)
+            goto done; /* not an exact int in range: the Python path */
     }
     if (!quiet_rule(shape, groups, frontier, frontier, moved))
         goto done;
@@ -918,8 +919,8 @@ static PyObject *step_apply(PyObject *self, PyObject *const *args, Py_ssize_t na
     long long pack_from = id_value(PyTuple_GET_ITEM(layout, 2));
     for (Py_ssize_t g = 0; g < groups; g++)
         window[g] = flags[g] == Py_True;
-    if (!items_of(args[0], &items, &n) || !PyDict_CheckExact(args[1]) ||
-        !items_of(args[2], &gone, &n_gone)) {
+    if (!PyTuple_CheckExact(args[0]) || !items_of(args[0], &items, &n) ||
+        !PyDict_CheckExact(args[1]) || !items_of(args[2], &gone, &n_gone)) {
         PyErr_SetString(PyExc_RuntimeError, "step_apply: the step changed after step_vouch "
                         "vouched for it");
         return NULL;
@@ -929,14 +930,13 @@ static PyObject *step_apply(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     Py_INCREF(held);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t again = 0;
-        if (!items_of(held, &items, &again) || again != n) {
-            changed(i);
-            goto fail;
-        }
         PyObject *sr = items[i];
         Py_INCREF(sr);
         PyObject *rid = must_attr(sr, a_request_id);
+        if (rid != NULL && !PyUnicode_CheckExact(rid)) {
+            Py_CLEAR(rid);
+            changed(i);
+        }
         PyObject *state = rid == NULL ? NULL : PyDict_GetItemWithError(args[1], rid);
         if (state == NULL) {
             if (!PyErr_Occurred())
@@ -954,7 +954,7 @@ static PyObject *step_apply(PyObject *self, PyObject *const *args, Py_ssize_t na
                 preempted = PyUnicode_CheckExact(gone[k]) && PyUnicode_Compare(gone[k], rid) == 0;
         }
         if (rc == 0 && !preempted) {
-            int fast = quiet ? quiet_request(sr, state, shape, groups, i) : 0;
+            int fast = quiet ? quiet_request(sr, state, shape, groups) : 0;
             if (fast < 0) {
                 rc = -1;
             } else if (fast == 0) {

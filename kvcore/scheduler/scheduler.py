@@ -451,7 +451,10 @@ class OffloadScheduler:
         stores: list[TransferPlan] = []
         if vouched:
             # One C pass applies every request's blocks and, with checks off, moves the
-            # cursors of the quiet ones; the rest store here.
+            # cursors of the quiet ones; the rest store here. (All blocks are applied
+            # before any store: if the tier or a runtime check raises in a store, later
+            # requests' blocks are in, where the Python loop stopped at the failing one.
+            # Neither leaves the step undone: such an error is a bug, not a bad call.)
             for at in step_apply(step.requests, self._reqs, step.preempted,
                                  self._apply_layout, self._stale.step,
                                  self._uncapped and not self.check):

@@ -206,6 +206,15 @@ def hostile(case: str, s: OffloadScheduler) -> tuple[Any, Any, Any]:
         object.__setattr__(sr, "num_tokens", 20.0)
     elif case == "resumed as 1":
         object.__setattr__(sr, "resumed", 1)
+    elif case == "ids as a list of tuples":
+        object.__setattr__(sr, "new_block_ids", ((31,), [32]))
+    elif case == "tokens summing past 2**63":
+        # Each below 2**63, as no hook would build them: computed + scheduled overflows
+        # a C long long, and a wrapped (negative) frontier would pass every block count.
+        object.__setattr__(sr, "computed_tokens", 2**62)
+        object.__setattr__(sr, "scheduled_tokens", 2**62)
+    elif case == "requests a list":
+        return [sr], states, ()
     elif case == "a request id subclass":
         object.__setattr__(sr, "request_id", type("S", (str,), {})("a"))
     elif case == "states a dict subclass":
@@ -227,7 +236,8 @@ def hostile(case: str, s: OffloadScheduler) -> tuple[Any, Any, Any]:
     return (sr,), states, ()
 
 
-HOSTILE = ["request subclass", "ids as lists", "a bool id", "a negative id",
+HOSTILE = ["request subclass", "ids as lists", "ids as a list of tuples",
+           "tokens summing past 2**63", "requests a list", "a bool id", "a negative id",
            "an id past 2**63", "a bytearray hash", "hashes as a list", "tokens as a float",
            "resumed as 1", "a request id subclass", "states a dict subclass",
            "tables a tuple", "a table a list", "a table an array subclass",
@@ -459,3 +469,34 @@ def test_a_request_whose_load_is_in_flight_moves_no_cursor() -> None:
         out.append((plain(step), list(s._reqs["b"].cursors)))
     assert out[0] == out[1]
     assert out[1][1] == [2, 8]
+
+
+def test_cursors_that_are_not_the_schedulers_list_take_the_python_store_path() -> None:
+    """A request's cursors replaced by a tuple, or holding a bool: the C pass leaves the
+    store step to Python (which reads them as it always does) instead of raising after
+    the blocks were applied."""
+    def settled() -> OffloadScheduler:
+        s = history()
+        s.worker_output([WorkerReport(w, job) for job in list(s._jobs.jobs)
+                         for w in range(CFG.num_workers)])
+        return s
+
+    plain_list = settled()
+    plain_list._reqs["a"].cursors = [5, 5]  # the chunks below token 20 passed: quiet
+    assert scheduler_module.step_apply((decode(),), plain_list._reqs, (),
+                                       plain_list._apply_layout, 1, True) == []
+    for odd in ((5, 5), type("Cursors", (list,), {})([5, 5]), [True, 5]):
+        s = settled()
+        s._reqs["a"].cursors = odd  # type: ignore[assignment]
+        assert scheduler_module.step_apply((decode(),), s._reqs, (), s._apply_layout,
+                                           s._stale.step, True) == [0]
+        assert s._reqs["a"].hashes.size == 5
+
+
+def test_step_apply_reads_only_the_steps_own_tuple() -> None:
+    """Its callers pass ``StepInput.requests``; anything else (a list could change while
+    the Python calls it makes run) is refused before anything is applied."""
+    s = history()
+    with pytest.raises(RuntimeError, match="changed after step_vouch"):
+        scheduler_module.step_apply([decode()], s._reqs, (), s._apply_layout, 1, True)
+    assert s._reqs["a"].hashes.size == 4
