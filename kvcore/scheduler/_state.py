@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
-from kvcore._scan import suffixed
+from kvcore._scan import stamp_ids, suffixed
 from kvcore.spec.plans import JobKind, TransferPlan
 from kvcore.spec.types import Key, OffloadConfig, make_key
 
@@ -369,9 +369,8 @@ class StaleWindows:
         top = max(allocated) + 1
         if top > len(at):
             at.frombytes(bytes(8 * (top - len(at))))
-        step = self.step
-        for gpu_id in allocated:
-            at[gpu_id] = step
+        # One C pass (a resumed request hands out its whole table).
+        stamp_ids(at, allocated, self.step)
 
     def zero_stale(self, table: array[int], placed: Placements, lo: int, hi: int) -> None:
         """Zero the stale ids of ``table[lo:hi]``, one placement run at a time."""

@@ -319,3 +319,37 @@ def test_same_tail_and_suffixed_refuse_bad_arguments() -> None:
     with pytest.raises(ValueError):
         _scan.suffixed([b"ab"], bytearray(b"x"))  # type: ignore[arg-type]
     assert _scan.same_tail([b"xab", b"ab"], 2) and not _scan.same_tail([b"xab", b"b"], 2)
+
+
+@given(st.sets(st.integers(0, 40), max_size=20), st.integers(0, 2**40),
+       st.integers(0, 45))
+def test_stamp_ids_writes_the_step_at_every_id(ids: set[int], step: int, size: int) -> None:
+    """``StaleWindows.advance``'s stamp, against the Python loop it replaced; an id past
+    the array (or any item not an exact int) writes nothing. Kills: ``v > len`` for
+    ``v >= len``, one pass (a bad id after good ones leaves those written), the step
+    written to the wrong item size."""
+    at = array("q", range(size))
+    want = array("q", at)
+    fits = all(i < size for i in ids)
+    if fits:
+        for i in ids:
+            want[i] = step
+        _scan.stamp_ids(at, frozenset(ids), step)
+    else:
+        with pytest.raises(ValueError, match="stamp_ids"):
+            _scan.stamp_ids(at, set(ids), step)
+    assert at == want
+
+
+@pytest.mark.parametrize(("at", "ids", "step"), [
+    (array("i", range(4)), {1}, 1), (array("q", range(4)), [1], 1),
+    (array("q", range(4)), {True}, 1), (array("q", range(4)), {-1}, 1),
+    (array("q", range(4)), {1}, -1), (bytearray(32), {1}, 1),
+    (array("q", range(4)), {1, "x"}, 1),
+])
+def test_stamp_ids_refuses_what_is_not_an_int64_array_and_a_set_of_ids(
+        at: Any, ids: Any, step: int) -> None:
+    before = bytes(at)
+    with pytest.raises((ValueError, TypeError)):
+        _scan.stamp_ids(at, ids, step)
+    assert bytes(at) == before
