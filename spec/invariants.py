@@ -36,7 +36,7 @@ class Violation:
 
 
 INVARIANT_IDS = ("E1", "E2", "E3", "E4", "L1", "L2", "L3", "J1", "J2",
-                 "S1", "S2", "B1", "F1", "X1", "X2", "M1", "M2", "K1", "R1", "A1")
+                 "S1", "S2", "B1", "F1", "X1", "X2", "M1", "M2", "M3", "K1", "R1", "A1")
 
 # -- records ------------------------------------------------------------------------------
 
@@ -857,6 +857,50 @@ def m2_eviction_order(r: EvictionOrderRecord) -> list[Violation]:
     return out
 
 
+# -- bounded buffers (M3) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BufferRecord:
+    """What one buffer holds against its limit (M3), in the buffer's unit (keys).
+
+    ``live`` is what the buffer still hands out, ``limit`` its bound. ``dead`` counts
+    entries already dropped but still referenced (a lazily cut head), ``oldest`` the size
+    of the unit they belong to. ``held`` is what the buffer references, counted
+    afresh from its contents where that is cheap (a drain reads them all anyway), else
+    None; it must equal ``live + dead``, so a drifting counter cannot hide a leak.
+    """
+
+    buffer: str
+    live: int
+    limit: int
+    dead: int = 0
+    oldest: int = 0
+    held: int | None = None
+
+
+def m3_buffers_bounded(r: BufferRecord) -> list[Violation]:
+    """M3: memory is bounded by what is live: a buffer holds at most its limit, and what
+    it dropped but still references is less than half of its oldest unit.
+
+    A buffer past its limit grows with the run (a server that never drains its events
+    keeps every key); a dropped head kept whole pins a prefill's 50K-key event for as long
+    as nobody drains, and cutting it at every drop copies it per store instead.
+    """
+    out: list[Violation] = []
+    values = {"buffer": r.buffer, "live": r.live, "limit": r.limit, "dead": r.dead}
+    if not 0 <= r.live <= r.limit:
+        out.append(Violation("M3", f"{r.buffer} holds {r.live} live entries; its limit is "
+                             f"{r.limit}", values))
+    if r.dead < 0 or (r.dead and 2 * r.dead >= r.oldest):
+        out.append(Violation("M3", f"{r.buffer} still references {r.dead} dropped entries of "
+                             f"its oldest unit of {r.oldest}: half of it or more", values))
+    if r.held is not None and r.held != r.live + r.dead:
+        out.append(Violation("M3", f"{r.buffer} references {r.held} entries, its counts say "
+                             f"{r.live} live + {r.dead} dropped", values))
+    return out
+
+
 # -- the checker ------------------------------------------------------------------------------
 
 PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
@@ -881,6 +925,7 @@ PREDICATES: dict[type, tuple[Callable[[Any], list[Violation]], ...]] = {
     KeyRecord: (k1_keys_distinct,),
     EvictionOrderRecord: (m2_eviction_order,),
     TierAgreementRecord: (m2_tier_agrees,),
+    BufferRecord: (m3_buffers_bounded,),
 }
 
 # The id each predicate checks, derived from its name, so the catalogue test can compare

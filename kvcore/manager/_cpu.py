@@ -42,7 +42,7 @@ from kvcore.spec.hooks import (
     check_keys,
     check_success,
 )
-from kvcore.spec.invariants import EvictionRecord
+from kvcore.spec.invariants import BufferRecord, EvictionRecord
 from kvcore.spec.manager_model import (
     ManagerEvent,
     ManagerStats,
@@ -447,6 +447,9 @@ class CPUOffloadManager(OffloadManager):
             pool.policy.discard(key)
 
     def take_events(self) -> list[ManagerEvent]:
+        if self._check:
+            # M3 with the buffer counted afresh: the drain reads every event anyway.
+            self._check_buffer(sum(len(e.keys) for e in self._events))
         events, self._events, self._event_keys = list(self._events), deque(), 0
         if self._head_skip:
             first = events[0]
@@ -502,8 +505,13 @@ class CPUOffloadManager(OffloadManager):
         events.append(event)
         self._event_keys += len(event.keys)
         excess = self._event_keys - self._max_events
-        if excess <= 0:
-            return
+        if excess > 0:
+            self._drop_oldest(excess)
+        if self._check:
+            self._check_buffer(None)
+
+    def _drop_oldest(self, excess: int) -> None:
+        events = self._events
         self._events_dropped += excess
         self._event_keys -= excess
         skip = self._head_skip + excess
@@ -530,6 +538,14 @@ class CPUOffloadManager(OffloadManager):
         pools = tuple((g, p.next_fresh, len(p.free), p.used, p.writing, p.pinned)
                       for g, p in self._pools.items())
         return (len(self._entries), hash(pools), len(self._events), self._evictions)
+
+    def _check_buffer(self, held: int | None) -> None:
+        """M3 on the event buffer (check mode only): O(1) at each drop, O(events) at a
+        drain, where ``held`` counts the keys the buffered events reference."""
+        events = self._events
+        record = BufferRecord("the tier's event buffer", self._event_keys, self._max_events,
+                              self._head_skip, len(events[0].keys) if events else 0, held)
+        enforce([record], self.checked, at_runtime=True)
 
     def _check_eviction(self, keys: Sequence[Key], victims: list[Key], need: int,
                         returned_none: bool, before: tuple[int, ...] | None) -> None:

@@ -31,6 +31,7 @@ from kvcore.spec.invariants import (
     PREDICATE_IDS,
     PREDICATES,
     BadCallRecord,
+    BufferRecord,
     CompletionRecord,
     CopyCallRecord,
     CursorMoveRecord,
@@ -72,6 +73,7 @@ from kvcore.spec.invariants import (
     m1_eviction_safe,
     m2_eviction_order,
     m2_tier_agrees,
+    m3_buffers_bounded,
     r1_refines_reference,
     s1_plan_shape,
     s2_store_runs,
@@ -172,6 +174,8 @@ M2_LRU_OK = EvictionOrderRecord("lru", 2, ((K[0], K[1], K[2]),), (K[0], K[1]),
 M2_ARC_OK = EvictionOrderRecord("arc", 2, ((K[0], K[1]), (K[2],)), (K[2], K[0]),
                                 t1_size=2, target=3.5, tier_target=3.5, tier_t1_size=2)
 M2_TIER_OK = TierAgreementRecord("lookup(ab12)", "HIT", "HIT", "lru")
+# 24 live keys at the limit, 4 dropped of an oldest event of 9 (less than half), counted.
+M3_OK = BufferRecord("events", live=24, limit=24, dead=4, oldest=9, held=28)
 K1_OK = KeyRecord(((0, b"a", make_key(b"a", 0)), (1, b"a", make_key(b"a", 1)),
                    (0, b"a", make_key(b"a", 0))))
 
@@ -433,6 +437,16 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
         Across("a drain's dropped count differs",
                replace(M2_TIER_OK, call="take_events", got=((), 1), want=((), 0)),
                "take_events: the tier gives ((), 1)"),
+    ]),
+    (m3_buffers_bounded, M3_OK, [
+        Across("one live key past the limit", replace(M3_OK, live=25, held=29),
+               "holds 25 live entries; its limit is 24"),
+        Across("dropped keys of exactly half the oldest event still referenced",
+               replace(M3_OK, dead=5, oldest=10, held=29), "half of it or more"),
+        Across("a dropped head past its own event", replace(M3_OK, dead=9, oldest=9, held=33),
+               "half of it or more"),
+        Across("the counts say one key fewer than the events reference",
+               replace(M3_OK, held=29), "references 29 entries"),
     ]),
     (k1_keys_distinct, K1_OK, [
         Across("one key for two groups",

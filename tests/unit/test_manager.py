@@ -551,6 +551,52 @@ def test_the_event_buffer_drops_the_oldest_keys_as_a_flat_list_would(
         assert not skip or 2 * skip < len(pending[0].keys), (skip, len(pending[0].keys))
 
 
+def _stored(m: CPUOffloadManager, *numbers: int) -> None:
+    keys = [make_key(n.to_bytes(8, "little") + bytes(24), 0) for n in numbers]
+    assert m.prepare_store(keys) is not None
+    m.complete_store(keys)
+
+
+def test_check_mode_reports_a_buffer_past_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """M3 at run time, at the event that crosses the bound (kills: the oldest keys never
+    dropped, and the drop skipped for an excess of one key)."""
+    m = CPUOffloadManager(64, check=True, max_pending_events=4)
+    _stored(m, 0, 1, 2, 3)
+    assert m.checked["M3"] == 1
+    monkeypatch.setattr(m, "_drop_oldest", lambda excess: None)
+    with pytest.raises(InvariantViolation, match="holds 5 live entries") as caught:
+        _stored(m, 4)
+    assert caught.value.ids == ["M3"]
+
+
+def test_check_mode_reports_a_dropped_head_kept_past_half(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """M3 on the lazy cut: a drop that counts the oldest keys as gone but never cuts or
+    pops them keeps half an event's dropped keys referenced (kills a cut that never
+    fires, as when it is compared with a longer event than the oldest)."""
+    m = CPUOffloadManager(64, check=True, max_pending_events=8)
+    _stored(m, *range(8))  # one 8-key event, at the limit
+
+    def count_only(excess: int) -> None:
+        m._event_keys -= excess
+        m._head_skip += excess
+
+    monkeypatch.setattr(m, "_drop_oldest", count_only)
+    _stored(m, 8, 9, 10)  # 3 of the oldest 8 dropped: under half, allowed
+    with pytest.raises(InvariantViolation, match="4 dropped entries of its oldest unit of 8"):
+        _stored(m, 11)
+
+
+def test_a_drain_counts_the_keys_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """M3 at ``take_events``: the keys the events reference against the counts (kills a
+    live count that drifts from the events, which would let the buffer pass its bound)."""
+    m = CPUOffloadManager(64, check=True, max_pending_events=8)
+    _stored(m, 0, 1, 2)
+    m._event_keys -= 1
+    with pytest.raises(InvariantViolation, match="references 3 entries"):
+        m.take_events()
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 def test_hashes_with_a_suffix_read_and_touch_as_their_keys(policy: str) -> None:
     """``lookup_hashes``/``touch_hashes`` (the scheduler's path: a group's hashes and its
