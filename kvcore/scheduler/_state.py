@@ -378,8 +378,14 @@ class StaleWindows:
         starts, steps = placed.starts, placed.steps
         hi = min(hi, len(table))
         runs = len(starts)
-        run = bisect_right(starts, lo) - 1
-        while lo < hi and 0 <= run < runs:
+        first = bisect_right(starts, lo) - 1
+        if first < 0:
+            return
+        # A for loop over the runs, not a while loop on lo: one pass per run whatever the
+        # body does, so no slip in it can turn a store into a hang.
+        for run in range(first, runs):
+            if lo >= hi:
+                return
             placed_at = steps[run]
             if placed_at >= step:
                 # Placed this step, and so is everything after it: nothing was allocated
@@ -390,4 +396,4 @@ class StaleWindows:
                 gpu_id = table[pos]
                 if gpu_id and gpu_id < len(at) and at[gpu_id] > placed_at:
                     table[pos] = 0
-            lo, run = end, run + 1
+            lo = end
