@@ -290,7 +290,7 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
                 return
             finally:
                 if sim is not None:
-                    sim.transfer.close()
+                    sim.close(failing=True)  # a no-op after run() closed it
                     _add_counts(result.checked,
                                 [sim.scheduler.checked, sim.checked, sim.manager.checked])
 

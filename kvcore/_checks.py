@@ -17,6 +17,9 @@ from kvcore.spec.invariants import PREDICATE_IDS, PREDICATES, check
 # must be reported within this many seconds: its copies are a few KiB, so a minute on the
 # busiest machine means never (X2, not a hang).
 JOB_SECONDS = 60.0
+# After a failure the check closes its transfer engines this long at most: a worker stuck
+# in a loop is left behind (a daemon thread) so that the failure is reported, not a hang.
+FAILING_CLOSE_SECONDS = 1.0
 
 
 def checks_enabled(flag: bool | None) -> bool:

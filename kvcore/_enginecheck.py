@@ -39,7 +39,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from kvcore._checks import JOB_SECONDS, enforce
+from kvcore._checks import FAILING_CLOSE_SECONDS, JOB_SECONDS, enforce
 from kvcore.manager import CPUOffloadManager, cpu_capacities, group_capacity
 from kvcore.scheduler import OffloadScheduler
 from kvcore.spec.descriptors import Side, Status
@@ -349,7 +349,9 @@ class _Bench:
                    self.checked)
         jobs = tuple(plan.job_id for plan in plans)
         if close:
-            self.engine.close()
+            # Bounded: a worker that never stops is X2 (a valid call refused), not a hang.
+            _valid(f"close(timeout={JOB_SECONDS:.0f})",
+                   partial(self.engine.close, timeout=JOB_SECONDS), self.checked)
             results = _one_each(jobs, [r for r in self.engine.poll() if r.job_id in jobs])
         else:
             results = self._finished(*jobs)
@@ -455,8 +457,10 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
         bench.run(*tail, close=True)
-    finally:
-        bench.engine.close()
+    except BaseException:
+        with contextlib.suppress(TimeoutError):  # failing already: a stuck worker is left
+            bench.engine.close(timeout=FAILING_CLOSE_SECONDS)
+        raise
 
 
 def _wait_limits(bench: _Bench) -> None:
@@ -576,7 +580,8 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
     while not plan.groups[g].gpu_block_ids:
         plan = _valid_plan(rng, job, bench.config, bench.caps)
     only_g = tuple(gt if h == g else GroupTransfer() for h, gt in enumerate(plan.groups))
-    bench.engine.drain()
+    _valid(f"drain(timeout={JOB_SECONDS:.0f})", partial(bench.engine.drain, timeout=JOB_SECONDS),
+           bench.checked)
     bench.gpu[g][0].untyped_storage().resize_(0)  # what a sleep mode does to a pool
     raised: BaseException | None = None
     try:
@@ -854,7 +859,7 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
             two, [[p[:, 0], p[:, 1]] for p in packed])))
     for name, make in made:
         engine = _valid(f"TransferEngine: {name}", make, checked)
-        engine.close()
+        _valid(f"close() of {name}", partial(engine.close, timeout=JOB_SECONDS), checked)
     for policy in ("lru", "arc"):
         mgr: CPUOffloadManager = _valid(f"CPUOffloadManager.for_config({policy!r})",
                       partial(CPUOffloadManager.for_config, config, policy), checked)
@@ -1144,7 +1149,8 @@ def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
         except Exception as exc:  # judged by the record
             raised = exc
         if isinstance(made, TransferEngine):
-            made.close()
+            with contextlib.suppress(TimeoutError):  # judged below: it should not exist
+                made.close(timeout=JOB_SECONDS)
         wrong = _named(raised, *wanted)
         if not wrong and raised is not None and expect:
             wrong = _carries(raised, expect)

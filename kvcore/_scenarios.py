@@ -400,8 +400,9 @@ def finished_then_follow_ups(factory: Factory, config: OffloadConfig) -> None:
         sim.add_request(b.tokens[:len(a.tokens) + unit] + sim.prompts.tokens(unit))
         _settle(sim)
         assert_true(sim.counters.loads_verified > 0, "follow-ups loaded nothing")
+        sim.close()  # bounded: a worker that does not stop is X2, not a hang
     finally:
-        sim.transfer.close()
+        sim.close(failing=True)  # a no-op once closed above
 
 
 def _settle(sim: Any, limit: int = 2000) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvcore._checks import JOB_SECONDS, enforce
+from kvcore._checks import FAILING_CLOSE_SECONDS, JOB_SECONDS, enforce
 from kvcore.manager import CPUOffloadManager, cpu_capacities
 from kvcore.scheduler import (
     OffloadScheduler,
@@ -274,8 +274,23 @@ class Simulator:
                 raise NotSettled(f"simulation did not settle in {self.options.max_steps} "
                                  "steps (liveness)")
             self.step()
-        self.transfer.close()
+        self.close()
         return self.counters
+
+    def close(self, failing: bool = False) -> None:
+        """Close the transfer engine within ``JOB_SECONDS``. A worker that does not stop
+        is X2 with checks on (a valid plan never carried out), named instead of hanging
+        the run; after another failure (``failing``) it is left behind, unnamed."""
+        try:
+            self.transfer.close(timeout=FAILING_CLOSE_SECONDS if failing else JOB_SECONDS)
+        except TimeoutError as exc:
+            if failing:
+                return
+            if not self.check:
+                raise
+            late = self.transfer.in_flight() or [-1]
+            enforce([TransferOutcomeRecord(job, 1, False, 0, f"close: {exc}") for job in late],
+                    self.checked)
 
     def step(self) -> None:
         self.step_no += 1

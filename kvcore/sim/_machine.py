@@ -79,7 +79,7 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
             if sim is None:
                 return
             if self.broken:
-                sim.transfer.close()
+                sim.close(failing=True)
                 return
             try:
                 for _ in range(SETTLE_STEPS):
@@ -88,12 +88,13 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
                     sim.step()
                 else:
                     raise AssertionError(f"run did not settle in {SETTLE_STEPS} steps")
+                sim.close()
             finally:
                 if tally is not None:
                     for source in (sim.scheduler.checked, sim.checked, sim.manager.checked):
                         for key, n in source.items():
                             tally[key] = tally.get(key, 0) + n
-                sim.transfer.close()
+                sim.close(failing=True)  # a no-op once closed above
 
         @rule(follow_up=st.booleans())
         def new_request(self, follow_up: bool) -> None:

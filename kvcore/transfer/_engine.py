@@ -381,14 +381,29 @@ class TransferEngine:
             raise
         return event
 
-    def close(self) -> None:
-        """Finish queued jobs, stop the worker and release CUDA handles. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued jobs, stop the worker and release CUDA handles. Idempotent.
+
+        ``timeout`` bounds the wait for the worker, as for ``wait``: a worker that has not
+        stopped by then (a copy that never finishes) is a TimeoutError instead of a hang.
+        The engine is closed either way, and its CUDA handles are then left alone, since
+        the worker may still be using them.
+        """
+        seconds = _timeout("close", timeout)
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+        deadline = None if seconds is None else time.monotonic() + seconds
+        try:  # the queue may be full behind a stuck worker: the stop mark waits too
+            self._queue.put(None, timeout=seconds)
+            self._thread.join(None if deadline is None else
+                              max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            pass
+        if self._thread.is_alive():
+            raise TimeoutError(f"the transfer worker has not stopped after {seconds} s: "
+                               f"jobs {self.in_flight()[:8]} still in flight")
         if self._cuda is not None:
             for event in self._events:
                 self._cuda.event_destroy(event)

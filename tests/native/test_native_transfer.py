@@ -456,6 +456,31 @@ def test_close_drains_queued_jobs_and_refuses_new_ones() -> None:
         engine.submit(TransferPlan(99, JobKind.STORE, "r", (GroupTransfer(),)))
 
 
+def test_close_with_a_timeout_names_a_worker_that_does_not_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that never finishes makes ``close(timeout)`` a TimeoutError naming the job,
+    not a hang (kills a close that joins the worker without its limit); once the copy
+    ends, the worker finishes the job and stops."""
+    import threading
+    engine, _ = make_engine((1,), layers=1)
+    release = threading.Event()
+    execute = engine._execute
+
+    def stuck(*args: object) -> object:
+        release.wait(60)
+        return execute(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "_execute", stuck)
+    engine.submit(TransferPlan(7, JobKind.STORE, "r", (GroupTransfer((1,), 0, (0,)),)))
+    with pytest.raises(TimeoutError, match=r"not stopped after 0.2 s: jobs \[7\]"):
+        engine.close(timeout=0.2)
+    release.set()
+    engine._thread.join(60)
+    assert not engine._thread.is_alive()
+    assert [(r.job_id, r.success) for r in engine.poll()] == [(7, True)]
+    engine.close(timeout=0.2)  # closed already: returns at once
+
+
 def test_wait_returns_results_and_leaves_them_for_poll() -> None:
     with make_engine((1,), layers=1)[0] as engine:
         assert engine.wait([123]) == []  # never submitted: nothing to wait for
@@ -479,6 +504,7 @@ def test_wait_returns_results_and_leaves_them_for_poll() -> None:
     (lambda e: e.wait([1], timeout=True), "wait(timeout)"),
     (lambda e: e.drain(timeout=1e300), "drain(timeout)"),
     (lambda e: e.rebind_gpu_tensors([], timeout="5"), "rebind_gpu_tensors(timeout)"),
+    (lambda e: e.close(timeout=-1), "close(timeout)"),  # checked before the engine closes
 ])
 def test_a_bad_wait_argument_is_named_before_waiting(call: object, where: str) -> None:
     """Not a bare TypeError from the condition variable, nor an id that never matches
