@@ -423,19 +423,21 @@ def run_engine_stage(config: OffloadConfig, result: BatteryResult, preset: str, 
                      setup: bool) -> None:
     """The constructors' bad twins ("set-up") or the transfer engine's plans, bytes and
     refusals ("transfer engine"), ``kvcore._enginecheck``."""
-    from kvcore import _enginecheck
+    from kvcore import _enginecheck, _inputcheck
 
     try:
         if setup:
             _enginecheck.run_setup(config, result.checked)
+            _inputcheck.run_inputs(config, result.checked)
         else:
             _enginecheck.run_transfer_engine(config, _enginecheck.ENGINE_CASES, result.checked)
     except Exception as exc:  # every failure is reported, whatever its type
         kind, ids = classify(exc)
-        call = "run_setup(config, {})" if setup else \
+        call = "run_setup(config, {}); run_inputs(config, {})" if setup else \
             f"run_transfer_engine(config, {_enginecheck.ENGINE_CASES}, {{}})"
         result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
-                                 python_c(f"from kvcore._enginecheck import *; "
+                                 python_c("from kvcore._enginecheck import *; from "
+                                          "kvcore._inputcheck import run_inputs; "
                                           f"{layout_import(preset)}; config = layout("
                                           f"{preset!r}); {call}"),
                                  "set-up" if setup else "transfer engine", "0")

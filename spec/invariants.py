@@ -602,10 +602,12 @@ def x1_fault_reported(r: TransferOutcomeRecord) -> list[Violation]:
 
 
 def x2_valid_setup_accepted(r: SetupRecord) -> list[Violation]:
-    """X2: a valid set-up (config, options, tensors, CPU buffer, tier read-back) is accepted.
+    """X2: a valid set-up (config, options, tensors, CPU buffer, tier read-back, each
+    documented form of a hook input) is accepted.
 
     A validator stricter than its rules refuses an engine that did nothing wrong: every
-    engine of that shape fails to start, or never reads its tier back.
+    engine of that shape fails to start, never reads its tier back, or (a hook input's
+    scan broken on one form) fails its first step.
     """
     if r.refused is not None:
         return [Violation("X2", f"{r.call}: a valid call refused or not honoured: "

@@ -1,0 +1,55 @@
+"""The set-up stage's valid hook inputs (``kvcore._inputcheck``): every documented form
+is accepted as given, and a scan that breaks on one is named X2, not left to crash the
+simulations unnamed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore import _inputcheck
+from kvcore.presets import PRESETS, preset
+from kvcore.spec import hooks
+from kvcore.spec.errors import InvariantViolation
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_form_is_accepted_on_every_preset(name: str) -> None:
+    checked: dict[str, int] = {}
+    _inputcheck.run_inputs(preset(name), checked)
+    assert checked["X2"] >= 50  # one record per form made, one per read-back
+
+
+def test_a_set_scan_that_fails_is_named() -> None:
+    """Held-out seed 52's m37/m38: ``ids_max`` returning NULL for a set it could iterate
+    (``it != NULL``). Every engine's first ``StepInput`` then raised SystemError, and
+    ``kvcore check`` ended in an unnamed crash."""
+    real = hooks._scan_ids
+
+    def broken(ids: object) -> int:
+        if isinstance(ids, frozenset | set):
+            raise SystemError("<built-in function ids_max> returned NULL without setting "
+                              "an exception")
+        return real(ids)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hooks, "_scan_ids", broken)
+        with pytest.raises(InvariantViolation, match=r"X2: StepInput\(allocated_ids=a "
+                           r"frozenset\): a valid call refused .* SystemError") as caught:
+            _inputcheck.run_inputs(preset("deepseek-v4-mtp"), {})
+    assert caught.value.ids == ["X2"]
+
+
+def test_a_form_read_back_changed_is_named() -> None:
+    """A valid form accepted but changed (here: a list of hashes read back in reverse)
+    is not honoured: X2."""
+    real = hooks.check_hashes
+
+    def reversed_lists(where: str, name: str, value: object) -> tuple[bytes, ...]:
+        out = real(where, name, value)
+        return tuple(reversed(out)) if isinstance(value, list) else out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hooks, "check_hashes", reversed_lists)
+        with pytest.raises(InvariantViolation, match=r"X2: RequestInfo\(block_hashes=a list "
+                           r"of 1-byte hashes\): .*reads back as"):
+            _inputcheck.run_inputs(preset("deepseek-v4-mtp"), {})
