@@ -13,29 +13,35 @@ meant: a refusal or a changed value is X2, named.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
 from kvcore._checks import enforce
 from kvcore._enginecheck import _valid
 from kvcore.manager import CPUOffloadManager
+from kvcore.scheduler import OffloadScheduler
 from kvcore.spec.hooks import MAX_REPORT_INT, RequestInfo, ScheduledRequest, StepInput, WorkerReport
 from kvcore.spec.invariants import SetupRecord
 from kvcore.spec.types import MAX_HASH_BYTES, OffloadConfig, Status, make_key
 
 
 def _honoured(call: str, make: Callable[[], object], read: Callable[[Any], object],
-              want: object, checked: dict[str, int]) -> None:
-    """``make()`` is accepted (``_valid``) and ``read`` of it gives ``want``."""
+              want: object, checked: dict[str, int]) -> Any:
+    """``make()`` is accepted (``_valid``) and ``read`` of it gives ``want``; returns it."""
     made = _valid(call, make, checked)
     got = read(made)
     enforce([SetupRecord(call, None if got == want else
                          f"reads back as {str(got)[:120]}, not {str(want)[:120]}")], checked)
+    return made
 
 
 def run_inputs(config: OffloadConfig, checked: dict[str, int]) -> None:
-    """Every documented form of each hook input, at the edges of its ranges."""
+    """Every documented form of each hook input, at the edges of its ranges, and the
+    ``KVCORE_CHECK`` switch (``run_check_switch``)."""
+    run_check_switch(config, checked)
     value: Any  # each form as an engine may pass it (the hook types normalize them)
     top = config.num_gpu_blocks - 1
     groups = len(config.groups)
@@ -85,3 +91,40 @@ def run_inputs(config: OffloadConfig, checked: dict[str, int]) -> None:
                       partial(tier.prepare_store, value),
                       lambda s: s.keys_to_store,
                       tuple(keys), checked)
+
+
+@contextlib.contextmanager
+def _environment(value: str | None) -> Iterator[None]:
+    """``KVCORE_CHECK`` set to ``value`` (None: unset) for the block, then restored."""
+    before = os.environ.get("KVCORE_CHECK")
+    try:
+        if value is None:
+            os.environ.pop("KVCORE_CHECK", None)
+        else:
+            os.environ["KVCORE_CHECK"] = value
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KVCORE_CHECK", None)
+        else:
+            os.environ["KVCORE_CHECK"] = before
+
+
+def run_check_switch(config: OffloadConfig, checked: dict[str, int]) -> None:
+    """The documented switch: ``check=None`` follows ``KVCORE_CHECK`` (``1`` on, anything
+    else or unset off) and ``True``/``False`` win over it, for the scheduler and the tier.
+
+    An engine runs its tests with ``KVCORE_CHECK=1`` to have every hook checked; a switch
+    read the wrong way round leaves those runs unchecked while every check of kvcore's own
+    (which passes the flag) still passes.
+    """
+    for env, flag, want in ((None, None, False), ("0", None, False), ("1", None, True),
+                            ("1", False, False), (None, True, True)):
+        with _environment(env):
+            shown = "unset" if env is None else repr(env)
+            tier = _honoured(f"CPUOffloadManager(check={flag}) with KVCORE_CHECK {shown}",
+                             partial(CPUOffloadManager.for_config, config, check=flag),
+                             lambda t: t.check, want, checked)
+            _honoured(f"OffloadScheduler(check={flag}) with KVCORE_CHECK {shown}",
+                      partial(OffloadScheduler, config, tier, check=flag),
+                      lambda s: s.check, want, checked)

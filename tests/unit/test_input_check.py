@@ -53,3 +53,35 @@ def test_a_form_read_back_changed_is_named() -> None:
         with pytest.raises(InvariantViolation, match=r"X2: RequestInfo\(block_hashes=a list "
                            r"of 1-byte hashes\): .*reads back as"):
             _inputcheck.run_inputs(preset("deepseek-v4-mtp"), {})
+
+
+def test_the_environment_switch_read_the_wrong_way_is_named() -> None:
+    """Held-out seed 52's m00: ``KVCORE_CHECK`` compared with ``!=``, so an engine's test
+    run with ``KVCORE_CHECK=1`` had no checks at all (and every run without it had them
+    all). kvcore's own checks pass the flag, so only the switch itself can show it."""
+    import os
+
+    from kvcore.manager import _cpu
+    from kvcore.scheduler import scheduler
+
+    def inverted(flag: bool | None) -> bool:
+        if flag is None:
+            return os.environ.get("KVCORE_CHECK", "") != "1"
+        return flag
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_cpu, "checks_enabled", inverted)
+        mp.setattr(scheduler, "checks_enabled", inverted)
+        with pytest.raises(InvariantViolation, match=r"X2: CPUOffloadManager\(check=None\) "
+                           r"with KVCORE_CHECK unset: .*reads back as True"):
+            _inputcheck.run_inputs(preset("deepseek-v4-mtp"), {})
+
+
+def test_the_switch_leaves_the_environment_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    monkeypatch.setenv("KVCORE_CHECK", "x")
+    _inputcheck.run_check_switch(preset("gemma3"), {})
+    assert os.environ["KVCORE_CHECK"] == "x"
+    monkeypatch.delenv("KVCORE_CHECK")
+    _inputcheck.run_check_switch(preset("gemma3"), {})
+    assert "KVCORE_CHECK" not in os.environ
