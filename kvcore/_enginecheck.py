@@ -458,7 +458,7 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
         bench.run(*tail, close=True)
     except BaseException:
-        with contextlib.suppress(TimeoutError):  # failing already: a stuck worker is left
+        with contextlib.suppress(Exception):  # failing already: nothing may hide that
             bench.engine.close(timeout=FAILING_CLOSE_SECONDS)
         raise
 
@@ -831,9 +831,11 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     """Constructions every rule allows, which must succeed and be honoured (X2); the
     bytes of the CPU tier, the size a CPU buffer must have."""
     good = _valid("TransferEngine: valid tensors", lambda: TransferEngine(cfg, gpu), checked)
-    with good:
+    try:
         tier_bytes = good.pinned_bytes()
         per_group = [good.pinned_bytes(g) for g in range(len(gpu))]
+    finally:
+        _valid("close() of valid tensors", partial(good.close, timeout=JOB_SECONDS), checked)
     made: list[tuple[str, Callable[[], TransferEngine]]] = [
         ("an exact cpu_buffer", lambda: TransferEngine(
             cfg, gpu, cpu_buffer=torch.empty(tier_bytes, dtype=torch.uint8))),

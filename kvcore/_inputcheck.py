@@ -118,8 +118,9 @@ def run_check_switch(config: OffloadConfig, checked: dict[str, int]) -> None:
     read the wrong way round leaves those runs unchecked while every check of kvcore's own
     (which passes the flag) still passes.
     """
-    for env, flag, want in ((None, None, False), ("0", None, False), ("1", None, True),
-                            ("1", False, False), (None, True, True)):
+    # The last case sets the variable, so a missing restore shows in the tests.
+    for env, flag, want in ((None, True, True), (None, None, False), ("0", None, False),
+                            ("1", None, True), ("1", False, False)):
         with _environment(env):
             shown = "unset" if env is None else repr(env)
             tier = _honoured(f"CPUOffloadManager(check={flag}) with KVCORE_CHECK {shown}",

@@ -102,6 +102,7 @@ class TransferEngine:
         self._pending: set[int] = set()
         self._done: list[TransferResult] = []
         self._closed = False
+        self._released = False  # the worker stopped and the CUDA handles are freed
         self._queue: queue.Queue[tuple[TransferPlan, object] | None] = queue.Queue(
             maxsize=max_queued_jobs)
         self._thread = threading.Thread(target=self._worker, name="kvcore-transfer",
@@ -386,24 +387,32 @@ class TransferEngine:
 
         ``timeout`` bounds the wait for the worker, as for ``wait``: a worker that has not
         stopped by then (a copy that never finishes) is a TimeoutError instead of a hang.
-        The engine is closed either way, and its CUDA handles are then left alone, since
-        the worker may still be using them.
+        The engine is closed either way (no submit is taken), but its CUDA handles are
+        kept while the worker may still use them: a later ``close`` waits again and
+        releases them once the worker has stopped.
         """
         seconds = _timeout("close", timeout)
         with self._cond:
-            if self._closed:
+            if self._released:
                 return
-            self._closed = True
+            first, self._closed = not self._closed, True
         deadline = None if seconds is None else time.monotonic() + seconds
-        try:  # the queue may be full behind a stuck worker: the stop mark waits too
-            self._queue.put(None, timeout=seconds)
-            self._thread.join(None if deadline is None else
-                              max(0.0, deadline - time.monotonic()))
-        except queue.Full:
-            pass
+        if first:
+            try:
+                self._queue.put(None, timeout=seconds)
+            except queue.Full:
+                # A full queue behind a stuck worker: the stop mark waits on its own
+                # thread, so the worker still stops once the copy ends.
+                threading.Thread(target=self._queue.put, args=(None,), daemon=True,
+                                 name="kvcore-transfer-stop").start()
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             raise TimeoutError(f"the transfer worker has not stopped after {seconds} s: "
                                f"jobs {self.in_flight()[:8]} still in flight")
+        with self._cond:
+            if self._released:
+                return
+            self._released = True
         if self._cuda is not None:
             for event in self._events:
                 self._cuda.event_destroy(event)

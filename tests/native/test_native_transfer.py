@@ -456,29 +456,42 @@ def test_close_drains_queued_jobs_and_refuses_new_ones() -> None:
         engine.submit(TransferPlan(99, JobKind.STORE, "r", (GroupTransfer(),)))
 
 
+@pytest.mark.parametrize("full_queue", [False, True])
 def test_close_with_a_timeout_names_a_worker_that_does_not_stop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, full_queue: bool) -> None:
     """A copy that never finishes makes ``close(timeout)`` a TimeoutError naming the job,
-    not a hang (kills a close that joins the worker without its limit); once the copy
-    ends, the worker finishes the job and stops."""
+    not a hang (kills a close that joins the worker without its limit), also when the
+    queue behind it is full (the stop mark cannot be queued in time). Once the copy
+    ends, the worker finishes every job and stops, and a second ``close`` releases the
+    engine (kills a stop mark dropped on a full queue, and a second close that returns
+    while the worker still runs)."""
     import threading
-    engine, _ = make_engine((1,), layers=1)
-    release = threading.Event()
+    config, tensors = make_config((1,)), make_engine((1,), layers=1)[1]
+    engine = TransferEngine(config, tensors, max_queued_jobs=1)
+    release, started = threading.Event(), threading.Event()
     execute = engine._execute
 
     def stuck(*args: object) -> object:
+        started.set()
         release.wait(60)
         return execute(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine, "_execute", stuck)
     engine.submit(TransferPlan(7, JobKind.STORE, "r", (GroupTransfer((1,), 0, (0,)),)))
-    with pytest.raises(TimeoutError, match=r"not stopped after 0.2 s: jobs \[7\]"):
+    assert started.wait(60)
+    jobs = [7]
+    if full_queue:  # the worker holds job 7; job 8 fills the one-job queue
+        engine.submit(TransferPlan(8, JobKind.STORE, "r", (GroupTransfer((2,), 0, (1,)),)))
+        jobs.append(8)
+    with pytest.raises(TimeoutError, match=rf"not stopped after 0.2 s: jobs \[{jobs[0]}"):
         engine.close(timeout=0.2)
+    with pytest.raises(TimeoutError):  # still running: a second close does not pretend
+        engine.close(timeout=0.1)
     release.set()
-    engine._thread.join(60)
+    engine.close(timeout=60)  # the worker stops now: released
     assert not engine._thread.is_alive()
-    assert [(r.job_id, r.success) for r in engine.poll()] == [(7, True)]
-    engine.close(timeout=0.2)  # closed already: returns at once
+    assert sorted((r.job_id, r.success) for r in engine.poll()) == [(j, True) for j in jobs]
+    engine.close(timeout=0.1)  # released already: returns at once
 
 
 def test_wait_returns_results_and_leaves_them_for_poll() -> None:
