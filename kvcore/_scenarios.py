@@ -528,6 +528,32 @@ def tier_churn(factory: Factory, config: OffloadConfig) -> None:
         _count(manager.checked)
 
 
+def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:
+    """R1 on the keys of a long hash chain. A request whose hashes arrive after its
+    prompt (chunked prefill hands them over step by step) keeps them in frozen segments
+    of ``SEGMENT`` hashes (``HashChain``); every other stage runs prompts short enough
+    that no chain grows past its prompt's own tuple. Here one step brings two and a half
+    segments of hashes: its store must offer the keys the reference derives, and a second
+    request with the same hashes as its prompt is served as by the reference."""
+    from kvcore.scheduler._state import SEGMENT
+    unit, hbt = unit_tokens(config), config.hash_block_tokens
+    n = (cdiv((2 * SEGMENT + SEGMENT // 2) * hbt, unit) + 1) * unit
+    ids = _ids(config, n, 1)
+    blocks = 1 + sum(len(t) for t in ids)
+    cfg = small(config, cpu=max(4096, 2 * blocks), gpu=blocks + 1)
+    sched = _lockstepped(factory)(cfg, CPUOffloadManager.for_config(cfg), check=True)
+    hashes = _hashes(n // hbt, salt=11)
+    first = unit // hbt  # the prompt's own tuple holds one unit's hashes; the rest follow
+    sched.add_request(RequestInfo("a", n, hashes[:first]))
+    sched.lookup("a", 0, unit)
+    plan = sched.build_step(StepInput(
+        (ScheduledRequest("a", n, 0, n, ids, hashes[first:]),),
+        allocated_ids=frozenset(i for t in ids for i in t if i)))
+    _report_stores(sched, cfg, plan)
+    sched.add_request(RequestInfo("b", n, hashes))
+    sched.lookup("b", 0, n)
+
+
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
     reset_with_a_finished_request_storing,
@@ -539,6 +565,7 @@ SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     finished_then_follow_ups,
     crafted_lookups,
     tier_churn,
+    long_hash_chain,
 )
 
 

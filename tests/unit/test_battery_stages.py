@@ -529,3 +529,16 @@ def test_a_harness_catch_is_not_a_run_time_kill(monkeypatch: pytest.MonkeyPatch)
     outcome = _check.run_mutant(mutant, {DEFAULT: preset(DEFAULT)}, seeds=1, examples=1,
                                 steps=1)
     assert outcome.status == "wrong check" and "harness" in outcome.by
+
+
+def test_a_hash_chain_misread_past_its_prompt_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out seed 53's m06: ``SEGMENT = 2 << SEGMENT_BITS``, so a chain's frozen
+    segments of 2,048 hashes are indexed as if they held 1,024. Only hashes that arrive
+    after the prompt land in segments, and no other stage grows a chain that far: the
+    ``long_hash_chain`` scenario must name it (R1, the store's keys against the
+    reference's)."""
+    from kvcore import _scenarios
+    from kvcore.scheduler import _state
+    monkeypatch.setattr(_state, "SEGMENT", 2 << _state.SEGMENT_BITS)
+    with pytest.raises(InvariantViolation, match="R1"):
+        _scenarios.long_hash_chain(OffloadScheduler, preset("deepseek-v4-mtp"))
