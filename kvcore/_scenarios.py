@@ -533,8 +533,9 @@ def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:
     prompt (chunked prefill hands them over step by step) keeps them in frozen segments
     of ``SEGMENT`` hashes (``HashChain``); every other stage runs prompts short enough
     that no chain grows past its prompt's own tuple. Here one step brings two and a half
-    segments of hashes: its store must offer the keys the reference derives, and a second
-    request with the same hashes as its prompt is served as by the reference."""
+    segments of hashes: its store must offer the keys the reference derives, a second
+    request with the same hashes as its prompt is served as by the reference, and so is
+    the first when, preempted, it asks again over its own chain."""
     from kvcore.scheduler._state import SEGMENT
     unit, hbt = unit_tokens(config), config.hash_block_tokens
     n = (cdiv((2 * SEGMENT + SEGMENT // 2) * hbt, unit) + 1) * unit
@@ -552,6 +553,10 @@ def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:
     _report_stores(sched, cfg, plan)
     sched.add_request(RequestInfo("b", n, hashes))
     sched.lookup("b", 0, n)
+    # Preempted, "a" asks again: its lookup reads its own chain's segments in strides
+    # (``HashChain.strided``), where its store read them key by key.
+    sched.build_step(StepInput(preempted=("a",)))
+    sched.lookup("a", 0, n)
 
 
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (

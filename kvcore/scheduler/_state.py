@@ -101,10 +101,17 @@ class HashChain:
         at, stop = start - len(base), stop - len(base)
         segments = self._segments
         frozen = len(segments) << SEGMENT_BITS
-        while at < min(stop, frozen):
-            first = at & ~(SEGMENT - 1)
-            end = min(stop, first + SEGMENT)
-            out.extend(segments[at >> SEGMENT_BITS][at - first:end - first:step])
+        limit = min(stop, frozen)
+        # One pass per segment the range meets, a for loop: bounded by its form. (``at``
+        # is negative only when the range ended inside the base, and then >= limit.)
+        segments_met = range(at >> SEGMENT_BITS, ((limit - 1) >> SEGMENT_BITS) + 1) \
+            if at < limit else range(0)
+        for index in segments_met:
+            first = index << SEGMENT_BITS
+            if at >= first + SEGMENT:
+                continue  # a stride longer than a segment stepped over this one
+            end = min(limit, first + SEGMENT)
+            out.extend(segments[index][at - first:end - first:step])
             at += -(-(end - at) // step) * step
         if at < stop:
             out.extend(self._tail[at - frozen:stop - frozen:step])
