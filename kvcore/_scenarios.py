@@ -125,6 +125,11 @@ def _ids(cfg: OffloadConfig, tokens: int, first: int, resume: int = 0
     return tuple(out)
 
 
+def _allocated(tables: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    """The GPU ids a step hands out for ``tables`` (its nulls are no allocation)."""
+    return frozenset(i for t in tables for i in t if i)
+
+
 def _store_ready(manager: Any, keys: list[bytes]) -> None:
     out = manager.prepare_store(keys)
     if out is not None:
@@ -141,7 +146,7 @@ def _prefill_with_store(factory: Factory, cfg: OffloadConfig, manager: Any
     sched.lookup("a", 0, n)
     ids = _ids(cfg, 3 * unit, 1)
     plan = sched.build_step(StepInput((ScheduledRequest("a", 3 * unit, 0, n, ids),),
-                                      allocated_ids=frozenset(i for t in ids for i in t if i)))
+                                      allocated_ids=_allocated(ids)))
     if not plan.stores:
         return None  # the layout stores nothing here (e.g. max_offload_tokens=0)
     return sched, 3 * unit, plan
@@ -255,7 +260,7 @@ def store_during_load(factory: Factory, config: OffloadConfig) -> None:
         valid = [unit // g.tokens_per_block for g in cfg.groups]
         sched.after_alloc("a", ids, valid, unit, hit)
         sched.build_step(StepInput((ScheduledRequest("a", 0, unit + hit, n, ids),),
-                                   allocated_ids=frozenset(i for t in ids for i in t if i)))
+                                   allocated_ids=_allocated(ids)))
 
 
 def draft_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> None:
@@ -549,7 +554,7 @@ def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:
     sched.lookup("a", 0, unit)
     plan = sched.build_step(StepInput(
         (ScheduledRequest("a", n, 0, n, ids, hashes[first:]),),
-        allocated_ids=frozenset(i for t in ids for i in t if i)))
+        allocated_ids=_allocated(ids)))
     _report_stores(sched, cfg, plan)
     sched.add_request(RequestInfo("b", n, hashes))
     sched.lookup("b", 0, n)

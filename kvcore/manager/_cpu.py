@@ -540,8 +540,9 @@ class CPUOffloadManager(OffloadManager):
         return (len(self._entries), hash(pools), len(self._events), self._evictions)
 
     def _check_buffer(self, held: int | None) -> None:
-        """M3 on the event buffer (check mode only): O(1) at each drop, O(events) at a
-        drain, where ``held`` counts the keys the buffered events reference."""
+        """M3 on the event buffer (check mode only): O(1) at each buffered event,
+        O(events) at a drain, where ``held`` counts the keys the buffered events
+        reference."""
         events = self._events
         record = BufferRecord("the tier's event buffer", self._event_keys, self._max_events,
                               self._head_skip, len(events[0].keys) if events else 0, held)
