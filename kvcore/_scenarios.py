@@ -85,9 +85,9 @@ class ScenarioFailure(AssertionError):
         self.id = id
 
 
-def assert_true(condition: bool, message: str) -> None:
+def assert_true(condition: bool, message: str, id: str = "integrity") -> None:
     if not condition:
-        raise ScenarioFailure(message)
+        raise ScenarioFailure(message, id)
 
 
 def _hashes(n: int, salt: int = 0) -> tuple[bytes, ...]:
@@ -564,6 +564,56 @@ def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:
     sched.lookup("a", 0, n)
 
 
+def failed_load_in_lock_step(factory: Factory, config: OffloadConfig) -> None:
+    """X1 and R1 on a load that fails. Request "a" stores its prefill; "b", with the same
+    prefix, loads it, and one worker reports the load failed. The output must name the
+    failure and the scheduler's stats count it as the reference's do (an engine's
+    metrics read them; the seeded runs make a few loads each, so their injected failures
+    seldom meet one); then "b", given the failure, asks again and is answered as by the
+    reference."""
+    cfg = small(config)
+    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    if got is None:
+        return
+    sched, _, plan = got
+    _report_stores(sched, cfg, plan)
+    n = 4 * unit_tokens(cfg)
+    hashes = _hashes(n // cfg.hash_block_tokens)
+    _other_request_loading(sched, cfg, hashes, n)
+    loads = sched.build_step(StepInput()).loads
+    reports = [WorkerReport(w, job.job_id, success=w != 0)
+               for job in loads for w in range(cfg.num_workers)]
+    # Each side on its own, so that a failure left out of the output is named X1 first
+    # (what it is), and only then is the rest, stats included, held to the reference.
+    pair: Any = sched  # a Lockstep
+    out = pair.impl.worker_output(reports)
+    assert_true(len(out.failed_loads) == len(loads),
+                f"X1: {len(loads)} loads failed, the output names {len(out.failed_loads)}", "X1")
+    pair.compare("worker_output", out, pair.model.worker_output(reports))
+    sched.lookup("b", 0, n)
+
+
+def scheduled_and_preempted(factory: Factory, config: OffloadConfig) -> None:
+    """R1 on a step that schedules a request and preempts it too (an engine that preempts
+    a request after scheduling it in the same step): its blocks are dropped with it and
+    it stores nothing, in the C pass that applies the step's blocks as in the Python one.
+    Twice: with the scheduler's own checks on and off (the quiet fast path)."""
+    unit = unit_tokens(config)
+    n = 4 * unit
+    for check in (True, False):
+        cfg = small(config)
+        sched = _lockstepped(factory)(cfg, CPUOffloadManager.for_config(cfg), check=check)
+        sched.add_request(RequestInfo("a", n, _hashes(n // cfg.hash_block_tokens, salt=5)))
+        sched.add_request(RequestInfo("b", n, _hashes(n // cfg.hash_block_tokens, salt=6)))
+        sched.lookup("a", 0, n)
+        sched.lookup("b", 0, n)
+        a = _ids(cfg, 3 * unit, 1)
+        b = _ids(cfg, 3 * unit, 1 + sum(len(t) for t in a))
+        sched.build_step(StepInput((ScheduledRequest("a", 3 * unit, 0, n, a),
+                                    ScheduledRequest("b", 3 * unit, 0, n, b)),
+                                   preempted=("a",), allocated_ids=_allocated(a + b)))
+
+
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
     reset_with_a_finished_request_storing,
@@ -576,6 +626,8 @@ SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     crafted_lookups,
     tier_churn,
     long_hash_chain,
+    failed_load_in_lock_step,
+    scheduled_and_preempted,
 )
 
 

@@ -542,3 +542,38 @@ def test_a_hash_chain_misread_past_its_prompt_is_named(monkeypatch: pytest.Monke
     monkeypatch.setattr(_state, "SEGMENT", 2 << _state.SEGMENT_BITS)
     with pytest.raises(InvariantViolation, match="R1"):
         _scenarios.long_hash_chain(OffloadScheduler, preset("deepseek-v4-mtp"))
+
+
+def test_a_failed_load_left_out_of_the_stats_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out seed 54's m13: ``failed_loads += 0``, so an engine's metrics never count
+    a failed load. The seeded runs make a few loads each and their injected failures
+    seldom meet one; ``failed_load_in_lock_step`` fails one load and compares the stats
+    with the reference's (R1)."""
+    from kvcore import _scenarios
+    from kvcore.scheduler import scheduler as module
+    complete = module.OffloadScheduler._complete
+
+    def uncounted(self: Any, job: Any, *args: Any) -> None:
+        before = self._stats.failed_loads
+        complete(self, job, *args)
+        self._stats.failed_loads = before
+    monkeypatch.setattr(module.OffloadScheduler, "_complete", uncounted)
+    with pytest.raises(InvariantViolation, match=r"R1.*stats"):
+        _scenarios.failed_load_in_lock_step(OffloadScheduler, preset(DEFAULT))
+
+
+def test_a_preempted_request_stores_nothing_in_the_c_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out seed 54's m29: ``step_apply`` (C) without its preempted test, so a request
+    scheduled and preempted in one step is offered a store of blocks the engine just took
+    back. Stood in for here by hiding the preempted ids from the C pass; the
+    ``scheduled_and_preempted`` scenario must name it (R1, the step's stores)."""
+    from kvcore import _scenarios
+    from kvcore.scheduler import scheduler as module
+    apply = module.step_apply
+
+    def blind(requests: Any, states: Any, _preempted: Any, *rest: Any) -> Any:
+        return apply(requests, states, (), *rest)
+    monkeypatch.setattr(module, "step_apply", blind)
+    with pytest.raises(InvariantViolation, match=r"R1.*build_step"):
+        _scenarios.scheduled_and_preempted(OffloadScheduler, preset(DEFAULT))
