@@ -75,6 +75,9 @@ COPY_CASES = 6000
 POLICIES = ("lru", "arc")
 # Every this-many-th simulation seed (the last of each run of four) drops the draft groups.
 SPECULATIVE_OFF_EVERY = 4
+# Every this-many-th refinement seed (the last of each run of three) sends its steps in an
+# engine's own ScheduledRequest type (``SimOptions.own_step_type``).
+OWN_STEP_TYPE_EVERY = 3
 
 
 class StageHang(AssertionError):
@@ -235,10 +238,14 @@ def stage_options(seed: int, config: OffloadConfig | None = None, *, lockstep: b
                   hostile: bool = False) -> SimOptions:
     """Seed ``seed``'s options in the simulations (neither flag), refinement (``lockstep``:
     the LRU tier, R1) or bad-calls stage (``hostile``: a small tier and pool, since each
-    bad call snapshots the whole state twice), with prompts sized to ``config``."""
+    bad call snapshots the whole state twice), with prompts sized to ``config``. Every
+    third refinement seed (2, 5, ...: checks on and off alike) describes its steps with an
+    engine's own ScheduledRequest type, so the scheduler's Python path, which kvcore's
+    own type never takes, is held to the reference too."""
     opts = sim_options(seed, check_context(config) if config is not None else MIN_CONTEXT)
     if lockstep:
-        opts = replace(opts, policy="lru", lockstep=True)
+        opts = replace(opts, policy="lru", lockstep=True,
+                       own_step_type=seed % OWN_STEP_TYPE_EVERY == OWN_STEP_TYPE_EVERY - 1)
     if hostile:
         opts = replace(opts, hostile=True, num_cpu_blocks=PRESSURE_SLOTS, num_gpu_blocks=700,
                        preempt_rate=max(opts.preempt_rate, 0.05))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -596,11 +597,14 @@ def failed_load_in_lock_step(factory: Factory, config: OffloadConfig) -> None:
 def scheduled_and_preempted(factory: Factory, config: OffloadConfig) -> None:
     """R1 on a step that schedules a request and preempts it too (an engine that preempts
     a request after scheduling it in the same step): its blocks are dropped with it and
-    it stores nothing, in the C pass that applies the step's blocks as in the Python one.
-    Twice: with the scheduler's own checks on and off (the quiet fast path)."""
+    it stores nothing, in the C pass that applies the step's blocks as in the Python one
+    (which an engine's own ScheduledRequest type takes). Each with the scheduler's own
+    checks on and off (the quiet fast path)."""
+    from kvcore.sim._engine import EngineScheduledRequest
     unit = unit_tokens(config)
     n = 4 * unit
-    for check in (True, False):
+    for check, kind in itertools.product((True, False),
+                                         (ScheduledRequest, EngineScheduledRequest)):
         cfg = small(config)
         sched = _lockstepped(factory)(cfg, CPUOffloadManager.for_config(cfg), check=check)
         sched.add_request(RequestInfo("a", n, _hashes(n // cfg.hash_block_tokens, salt=5)))
@@ -609,8 +613,7 @@ def scheduled_and_preempted(factory: Factory, config: OffloadConfig) -> None:
         sched.lookup("b", 0, n)
         a = _ids(cfg, 3 * unit, 1)
         b = _ids(cfg, 3 * unit, 1 + sum(len(t) for t in a))
-        sched.build_step(StepInput((ScheduledRequest("a", 3 * unit, 0, n, a),
-                                    ScheduledRequest("b", 3 * unit, 0, n, b)),
+        sched.build_step(StepInput((kind("a", 3 * unit, 0, n, a), kind("b", 3 * unit, 0, n, b)),
                                    preempted=("a",), allocated_ids=_allocated(a + b)))
 
 

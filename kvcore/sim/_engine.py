@@ -53,6 +53,12 @@ class NotSettled(RuntimeError):
     (``kvcore`` exit code 3), not a crash."""
 
 
+@dataclass(frozen=True)
+class EngineScheduledRequest(ScheduledRequest):
+    """An engine's own ScheduledRequest type (``SimOptions.own_step_type``): served the
+    same as kvcore's, through the Python path."""
+
+
 @dataclass
 class SimRequest:
     """The engine's view of one request."""
@@ -315,9 +321,10 @@ class Simulator:
         self._admit(scheduled, allocated, preempted)
         # A request that got no block this step is sent with no block lists at all, as an
         # engine whose step output has none for it does (both forms mean "nothing new").
-        step = StepInput(tuple(ScheduledRequest(r.request_id, n, r.computed, len(r.tokens),
-                                                ids if any(ids) or r.resumed else (),
-                                                tuple(r.unsent), resumed=r.resumed)
+        kind = EngineScheduledRequest if self.options.own_step_type else ScheduledRequest
+        step = StepInput(tuple(kind(r.request_id, n, r.computed, len(r.tokens),
+                                    ids if any(ids) or r.resumed else (),
+                                    tuple(r.unsent), resumed=r.resumed)
                                for r, n, ids in scheduled),
                          tuple(preempted), frozenset(allocated))
         for r, _, _ in scheduled:

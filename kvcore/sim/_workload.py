@@ -58,6 +58,10 @@ class SimOptions:
     # layout without them, or of draft groups only). Then the N - 1 limit, not the draft
     # group's extra chunk, keeps a prompt's last chunk from being a hit.
     speculative_off: bool = False
+    # Describe each step with an engine's own subclass of ScheduledRequest. kvcore's C
+    # pass vouches only for its own exact types, so every step then takes the Python path
+    # (its checks, the blocks applied, the stores), which kvcore's own type never reaches.
+    own_step_type: bool = False
     # Share of admissions whose first tokens the engine's GPU prefix cache already holds
     # (the lookup's computed_tokens > 0).
     gpu_cache_rate: float = 0.0

@@ -577,3 +577,30 @@ def test_a_preempted_request_stores_nothing_in_the_c_pass(
     monkeypatch.setattr(module, "step_apply", blind)
     with pytest.raises(InvariantViolation, match=r"R1.*build_step"):
         _scenarios.scheduled_and_preempted(OffloadScheduler, preset(DEFAULT))
+
+
+def test_the_python_path_of_a_step_meets_the_lock_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``_apply_blocks`` places a window group's new blocks one position late, so
+    their stale-block steps are read for the wrong slots. kvcore's own ScheduledRequest
+    takes the C pass, which never runs this; refinement seed 2 sends an engine's own
+    subclass (``own_step_type``), whose steps take the Python path, held to the
+    reference (R1)."""
+    from kvcore.scheduler._state import Placements
+    place, apply = Placements.place, OffloadScheduler._apply_blocks
+
+    def late(self: Any, position: int, step: int) -> None:
+        place(self, position + 1, step)
+
+    def apply_late(self: Any, req: Any, sr: Any) -> None:
+        # Only here: the C pass calls ``place`` too, and must stay right.
+        Placements.place = late  # type: ignore[method-assign]
+        try:
+            apply(self, req, sr)
+        finally:
+            Placements.place = place  # type: ignore[method-assign]
+
+    monkeypatch.setattr(OffloadScheduler, "_apply_blocks", apply_late)
+    assert _check.stage_options(2, preset(DEFAULT), lockstep=True).own_step_type
+    result = stage(lockstep=True, seeds=3)
+    assert result.failure is not None and result.failure.ids == ["R1"], result.failure
+    assert result.failure.seed == "2"
