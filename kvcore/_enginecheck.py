@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -826,6 +826,11 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
     return [(f"TransferEngine: {name}", call, want) for name, call, want in out]
 
 
+def _policies(tier: CPUOffloadManager, groups: int) -> list[Any]:
+    """Each group's eviction policy, as ``policy_of`` answers (None: no pool yet)."""
+    return [tier.policy_of(g) for g in range(groups)]
+
+
 def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torch.Tensor]],
                   checked: dict[str, int]) -> int:
     """Constructions every rule allows, which must succeed and be honoured (X2); the
@@ -865,7 +870,8 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
     for policy in ("lru", "arc"):
         mgr: CPUOffloadManager = _valid(f"CPUOffloadManager.for_config({policy!r})",
                       partial(CPUOffloadManager.for_config, config, policy), checked)
-        pools = [mgr.policy_of(g) for g in range(len(config.groups))]
+        pools = _valid(f"CPUOffloadManager.for_config({policy!r}).policy_of(each group)",
+                       partial(_policies, mgr, len(config.groups)), checked)
         names = [None if p is None else p.name for p in pools]
         debug = _valid(f"CPUOffloadManager.for_config({policy!r}).policy",
                        partial(getattr, mgr, "policy"), checked)
@@ -874,7 +880,8 @@ def _valid_setups(config: OffloadConfig, cfg: OffloadConfig, gpu: list[list[torc
                              None if names == [policy] * len(names) and debug is pools[0]
                              else f"policies {names}")], checked)
     flat = _valid("CPUOffloadManager(7)", lambda: CPUOffloadManager(7), checked)
-    sizes = [flat.capacity_of(g) for g in range(len(config.groups))]
+    sizes = _valid("CPUOffloadManager(7).capacity_of(each group)",
+                   lambda: [flat.capacity_of(g) for g in range(len(config.groups))], checked)
     enforce([SetupRecord("CPUOffloadManager(7): every group's pool holds 7 slots, and "
                          "before any store its stats report group 0's 7",
                          None if sizes == [7] * len(sizes) and flat.stats().capacity == 7

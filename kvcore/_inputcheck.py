@@ -92,6 +92,36 @@ def run_inputs(config: OffloadConfig, checked: dict[str, int]) -> None:
                       lambda s: s.keys_to_store,
                       tuple(keys), checked)
 
+    run_reads(config, checked)
+
+
+def run_reads(config: OffloadConfig, checked: dict[str, int]) -> None:
+    """The tier's and the scheduler's public reads, each asked once with a valid argument
+    and read back (the tier's ``policy_of`` and ``capacity_of`` with its set-up): an
+    engine's metrics, a router and kvcore's own lock step call them, and one that refuses
+    a valid argument (an inverted type test) ends them in a crash that names nothing."""
+    tier = CPUOffloadManager.for_config(config, "lru")
+    key = make_key(bytes(range(1, 33)), 0)
+    tier.prepare_store([key])
+    reads: tuple[tuple[str, Callable[[], object], object], ...] = (
+            ("lookup(a key being stored)", partial(tier.lookup, key), Status.PENDING),
+            ("state_of(a key being stored)", partial(tier.state_of, key), "writing"),
+            ("slot_of(a key being stored)", partial(tier.slot_of, key), 0),
+            ("stats()", lambda: tier.stats().writing, 1))
+    for call, ask, want in reads:
+        _honoured(f"CPUOffloadManager.{call}", ask, lambda got: got, want, checked)
+    sched = OffloadScheduler(config, tier, check=False)
+    tokens = config.hash_block_tokens
+    sched.add_request(RequestInfo("r", tokens, (bytes(32),)))
+    reads = (
+            ("cursors('r')", partial(sched.cursors, "r"), (0,) * len(config.groups)),
+            ("jobs_of('r')", partial(sched.jobs_of, "r"), frozenset()),
+            ("tracked_requests()", sched.tracked_requests, frozenset({"r"})),
+            ("has_pending_work()", sched.has_pending_work, False),
+            ("stats()", lambda: sched.stats().lookups, 0))
+    for call, ask, want in reads:
+        _honoured(f"OffloadScheduler.{call}", ask, lambda got: got, want, checked)
+
 
 @contextlib.contextmanager
 def _environment(value: str | None) -> Iterator[None]:

@@ -67,6 +67,23 @@ def test_an_unchecked_cpu_buffer_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
     caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
 
 
+@pytest.mark.parametrize("read", ["policy_of", "capacity_of"])
+def test_a_tier_read_that_refuses_a_group_is_named(monkeypatch: pytest.MonkeyPatch,
+                                                   read: str) -> None:
+    """Held-out seed 55's m00: ``policy_of``'s type test inverted (``if not type(group)
+    is not int``), so every valid group raised ArgumentTypeError and ``kvcore check``
+    ended in an unnamed crash. The set-up stage asks each group's policy and capacity
+    inside ``_valid`` (X2)."""
+    from kvcore.manager import CPUOffloadManager
+    from kvcore.spec.errors import ArgumentTypeError
+
+    def refuses(self: object, group: object) -> object:
+        raise ArgumentTypeError(f"CPUOffloadManager.{read}", "group", group, "int", "mutant")
+    monkeypatch.setattr(CPUOffloadManager, read, refuses)
+    message = caught("X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+    assert "a valid call refused" in message and f"CPUOffloadManager.{read}:" in message
+
+
 def test_python_plan_checks_removed_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the Python range and double-write checks skipped; the C library still
     refuses, but its error no longer names the plan's group and position as the fault

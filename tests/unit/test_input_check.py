@@ -85,3 +85,30 @@ def test_the_switch_leaves_the_environment_as_it_was(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("KVCORE_CHECK")
     _inputcheck.run_check_switch(preset("gemma3"), {})
     assert "KVCORE_CHECK" not in os.environ
+
+
+@pytest.mark.parametrize("read", ["state_of", "slot_of", "lookup"])
+def test_a_tier_read_that_refuses_a_valid_key_is_named(read: str) -> None:
+    """A tier read whose type test is inverted refuses every valid key: the lock step and
+    a router reading the tier then end in a crash that names nothing. ``run_reads`` asks
+    each once (X2)."""
+    from kvcore.manager import CPUOffloadManager
+    from kvcore.spec.errors import ArgumentTypeError
+
+    def refuses(self: object, key: object) -> object:
+        raise ArgumentTypeError(f"CPUOffloadManager.{read}", "key", key, "bytes", "mutant")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CPUOffloadManager, read, refuses)
+        with pytest.raises(InvariantViolation, match=rf"X2: CPUOffloadManager\.{read}\("):
+            _inputcheck.run_reads(preset("deepseek-v4-mtp"), {})
+
+
+def test_a_scheduler_read_that_answers_wrong_is_named() -> None:
+    """``cursors`` of a fresh request must read back as zeros, one per group."""
+    from kvcore.scheduler import OffloadScheduler
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(OffloadScheduler, "cursors", lambda self, rid: (1,))
+        with pytest.raises(InvariantViolation, match=r"X2: OffloadScheduler\.cursors"):
+            _inputcheck.run_reads(preset("deepseek-v4-mtp"), {})
