@@ -35,7 +35,7 @@ from kvcore.scheduler import OffloadScheduler
 from kvcore.sim import IntegrityError, SimOptions, Simulator
 from kvcore.sim._engine import NotSettled
 from kvcore.sim._machine import make_machine
-from kvcore.spec.errors import InvariantViolation, KVCopyError
+from kvcore.spec.errors import InvariantViolation, KVCopyError, KVCoreError
 from kvcore.spec.invariants import INVARIANT_IDS
 from kvcore.spec.types import GroupKind, OffloadConfig
 from kvcore.zoo import MUTANTS, Mutant, layout
@@ -165,14 +165,21 @@ class BatteryResult:
     stages: dict[str, float] = field(default_factory=dict)
 
 
-def classify(exc: BaseException) -> tuple[str, list[str]]:
+def classify(exc: BaseException, *, valid_calls: bool = False) -> tuple[str, list[str]]:
     """(kind, invariant ids) of a failure, for the tables and the exit code.
 
     Hypothesis raises an ExceptionGroup when it finds several distinct failures; the
     group is as severe as its most telling member (an invariant over a crash).
+
+    ``valid_calls``: the failure ended a battery stage, whose harnesses (the simulator,
+    the scenarios, the state machine, the set-up's valid constructions) call kvcore only
+    as its rules allow and handle every refusal they provoke on purpose. A kvcore error
+    that reaches the stage is then kvcore refusing a valid call: X2 (an engine making
+    the same call would be refused alike), not an unnamed crash. ``kvcore simulate``'s
+    own errors (a bad option) are usage errors, so the CLI leaves it off.
     """
     if isinstance(exc, BaseExceptionGroup):
-        parts = [classify(e) for e in exc.exceptions]
+        parts = [classify(e, valid_calls=valid_calls) for e in exc.exceptions]
         order = ("invariant", "integrity", "liveness", "crash")
         kind = min((k for k, _ in parts), key=order.index)
         return kind, sorted({i for _, ids in parts for i in ids})
@@ -187,6 +194,8 @@ def classify(exc: BaseException) -> tuple[str, list[str]]:
     if isinstance(exc, StageHang | NotSettled) or (isinstance(exc, AssertionError)
                                                    and "settle" in str(exc)):
         return "liveness", ["liveness"]
+    if valid_calls and isinstance(exc, KVCoreError):
+        return "invariant", ["X2"]
     return "crash", [type(exc).__name__]
 
 
@@ -288,7 +297,7 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
                 sim = Simulator(config, opts, check=checks, scheduler_factory=factory)
                 sim.run()
             except Exception as exc:  # every failure is reported, whatever its type
-                kind, ids = classify(exc)
+                kind, ids = classify(exc, valid_calls=True)
                 extra = " --lockstep" if lockstep else " --hostile" if hostile else ""
                 result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
                                          f"kvcore simulate {layout_flag(preset)} --seed "
@@ -354,7 +363,7 @@ def run_machine(config: OffloadConfig, examples: int, steps: int, result: Batter
                     contextlib.redirect_stdout(out):
                 run_state_machine_as_test(machine, settings=opts)
         except Exception as exc:  # the state machine re-raises the shrunk failure
-            kind, ids = classify(exc)
+            kind, ids = classify(exc, valid_calls=True)
             program = "\n".join(_notes(exc)) or out.getvalue().strip()
             seed = " ".join(f"{k}={v}" for k, v in sorted(trace.items()))
             result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}", program,
@@ -382,7 +391,7 @@ def run_directed(config: OffloadConfig, result: BatteryResult, *, preset: str = 
                 with tallied(result.checked):
                     scenario(_counting(factory or OffloadScheduler, made), config)
             except Exception as exc:  # every failure is reported, whatever its type
-                kind, ids = classify(exc)
+                kind, ids = classify(exc, valid_calls=True)
                 result.failure = Failure(
                     kind, ids, f"{type(exc).__name__}: {exc}",
                     python_c(f"from kvcore._scenarios import *; {layout_import(preset)}; "
@@ -418,7 +427,7 @@ def run_copy(config: OffloadConfig, cases: int, result: BatteryResult, preset: s
     try:
         run_copy_library(config, cases, result.checked)
     except Exception as exc:  # every failure is reported, whatever its type
-        kind, ids = classify(exc)
+        kind, ids = classify(exc, valid_calls=True)
         result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
                                  python_c("from kvcore._copycheck import run_copy_library; "
                                           f"{layout_import(preset)}; run_copy_library(layout("
@@ -439,7 +448,7 @@ def run_engine_stage(config: OffloadConfig, result: BatteryResult, preset: str, 
         else:
             _enginecheck.run_transfer_engine(config, _enginecheck.ENGINE_CASES, result.checked)
     except Exception as exc:  # every failure is reported, whatever its type
-        kind, ids = classify(exc)
+        kind, ids = classify(exc, valid_calls=True)
         call = "run_setup(config, {}); run_inputs(config, {})" if setup else \
             f"run_transfer_engine(config, {_enginecheck.ENGINE_CASES}, {{}})"
         result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",

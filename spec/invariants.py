@@ -603,7 +603,8 @@ def x1_fault_reported(r: TransferOutcomeRecord) -> list[Violation]:
 
 def x2_valid_setup_accepted(r: SetupRecord) -> list[Violation]:
     """X2: a valid set-up (config, options, tensors, CPU buffer, tier read-back, each
-    documented form of a hook input) is accepted.
+    documented form of a hook input) is accepted, and so is every hook call a check's
+    harness makes by the rules (a kvcore error that ends a battery stage).
 
     A validator stricter than its rules refuses an engine that did nothing wrong: every
     engine of that shape fails to start, never reads its tier back, or (a hook input's

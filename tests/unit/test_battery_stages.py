@@ -604,3 +604,21 @@ def test_the_python_path_of_a_step_meets_the_lock_step(monkeypatch: pytest.Monke
     result = stage(lockstep=True, seeds=3)
     assert result.failure is not None and result.failure.ids == ["R1"], result.failure
     assert result.failure.seed == "2"
+
+
+def test_a_valid_call_refused_in_a_stage_is_x2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out seed 55's m00 class: a public read whose type test is inverted refuses
+    every valid argument. The lock step reads the tier's policy of each group after every
+    hook; the kvcore error that ends the stage is a valid call refused (X2), where it was
+    an unnamed crash. ``kvcore simulate``'s own errors stay usage errors."""
+    from kvcore.manager import CPUOffloadManager
+    from kvcore.spec.errors import ArgumentTypeError, BadStepError
+
+    def refuses(self: object, group: object) -> object:
+        raise ArgumentTypeError("CPUOffloadManager.policy_of", "group", group, "int", "mutant")
+    monkeypatch.setattr(CPUOffloadManager, "policy_of", refuses)
+    result = stage(lockstep=True, seeds=1)
+    assert result.failure is not None and result.failure.kind == "invariant"
+    assert result.failure.ids == ["X2"], result.failure
+    assert _check.classify(BadStepError("x")) == ("crash", ["BadStepError"])
+    assert _check.classify(BadStepError("x"), valid_calls=True) == ("invariant", ["X2"])
