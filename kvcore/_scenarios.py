@@ -617,6 +617,35 @@ def scheduled_and_preempted(factory: Factory, config: OffloadConfig) -> None:
                                    preempted=("a",), allocated_ids=_allocated(a + b)))
 
 
+def lookup_beside_another_load(factory: Factory, config: OffloadConfig) -> None:
+    """R1 on a lookup while another request's load is in flight. Requests "a" and "d"
+    store two different prefixes; "b" loads "a"'s, and while that load runs "c" asks for
+    "d"'s: it is served as by the reference (a hit, not PENDING: only a chunk being
+    loaded makes a reader wait), and so is "e" with "a"'s prefix (PENDING: the chunks it
+    would read are being loaded). Engines look requests up beside running loads every
+    step; the seeded runs' few loads seldom overlap a lookup."""
+    cfg = small(config)
+    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    if got is None:
+        return
+    sched, done, plan = got
+    _report_stores(sched, cfg, plan)
+    n = 4 * unit_tokens(cfg)
+    other = _hashes(n // cfg.hash_block_tokens, salt=9)
+    sched.add_request(RequestInfo("d", n, other))
+    sched.lookup("d", 0, n)
+    first = 1 + 2 * sum(len(t) for t in _ids(cfg, n, 1))  # past "a"'s and "b"'s ids
+    ids = _ids(cfg, done, first)
+    _report_stores(sched, cfg, sched.build_step(StepInput(
+        (ScheduledRequest("d", done, 0, n, ids),), allocated_ids=_allocated(ids))))
+    _other_request_loading(sched, cfg, _hashes(n // cfg.hash_block_tokens), n)
+    sched.build_step(StepInput())
+    sched.add_request(RequestInfo("c", n, other))
+    sched.lookup("c", 0, n)
+    sched.add_request(RequestInfo("e", n, _hashes(n // cfg.hash_block_tokens)))
+    sched.lookup("e", 0, n)
+
+
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
     reset_with_a_finished_request_storing,
@@ -631,6 +660,7 @@ SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     long_hash_chain,
     failed_load_in_lock_step,
     scheduled_and_preempted,
+    lookup_beside_another_load,
 )
 
 

@@ -622,3 +622,15 @@ def test_a_valid_call_refused_in_a_stage_is_x2(monkeypatch: pytest.MonkeyPatch) 
     assert result.failure.ids == ["X2"], result.failure
     assert _check.classify(BadStepError("x")) == ("crash", ["BadStepError"])
     assert _check.classify(BadStepError("x"), valid_calls=True) == ("invariant", ["X2"])
+
+
+def test_a_lookup_beside_an_unrelated_load_is_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``_being_loaded`` answers True once any load is in flight (its last
+    ``return False`` flipped), so every lookup waits while any request loads. No seeded
+    run looked a request up beside an unrelated load; ``lookup_beside_another_load``
+    does, and the lookup's own check names it (L2)."""
+    from kvcore import _scenarios
+    monkeypatch.setattr(OffloadScheduler, "_being_loaded",
+                        lambda self, req, computed, hit: bool(self._jobs.loading))
+    with pytest.raises(InvariantViolation, match="L2"):
+        _scenarios.lookup_beside_another_load(OffloadScheduler, preset(DEFAULT))
