@@ -454,9 +454,11 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
         _read_back(bench)
         _accessors(bench)
         _wait_limits(bench)
+        _wait_ids(bench)
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
         bench.run(*tail, close=True)
+        _after_close(bench, _valid_plan(rng, 4 * cases, bench.config, bench.caps))
     except BaseException:
         with contextlib.suppress(Exception):  # failing already: nothing may hide that
             bench.engine.close(timeout=FAILING_CLOSE_SECONDS)
@@ -473,6 +475,39 @@ def _wait_limits(bench: _Bench) -> None:
     for bad in (-1, -0.5, math.nan, threading.TIMEOUT_MAX * 2, "5", True):
         _refused(bench, f"drain(timeout={bad!r})", partial(bench.engine.drain, bad),  # type: ignore[arg-type]
                  "drain(timeout)")
+
+
+def _wait_ids(bench: _Bench) -> None:
+    """``wait(job_ids)`` takes any iterable of ints (nothing is in flight here, so each
+    returns at once); a str, a bare int, None or an id that is not an int is refused
+    naming ``wait(job_ids)`` before anything waits (a non-int id would match no job, and
+    the fence the wait stands for would not hold)."""
+    for form, ids in (("a list", [1, 2]), ("a tuple", (1,)), ("a set", {3}),
+                      ("a generator", (i for i in (4, 5))), ("an empty list", [])):
+        _valid(f"wait(job_ids=as {form})", partial(bench.engine.wait, ids), bench.checked)
+    for bad in ("12", 5, None, [1, "2"], [1.0], (True,)):
+        _refused(bench, f"wait({bad!r})", partial(bench.engine.wait, bad),  # type: ignore[arg-type]
+                 "wait(job_ids)")
+
+
+def _after_close(bench: _Bench, plan: TransferPlan) -> None:
+    """A closed engine refuses a submit (CallOrderError naming it, nothing queued), and a
+    context manager's ``with`` hands back the engine itself and closes it on the way
+    out."""
+    _refused(bench, "submit after close()", partial(bench.engine.submit, plan),
+             "TransferEngine.submit")
+    engine = _valid("TransferEngine: the stage's pools, in a with block",
+                    lambda: TransferEngine(bench.config, bench.gpu), bench.checked)
+    try:
+        with engine as entered:
+            enforce([SetupRecord("with TransferEngine(...) as e: e is the engine",
+                                 None if entered is engine else f"e is {entered!r}")],
+                    bench.checked)
+        _refused(bench, "submit after the with block", partial(engine.submit, plan),
+                 "TransferEngine.submit")
+    finally:  # a no-op once closed; a with block that left it open must not leak it
+        with contextlib.suppress(Exception):
+            engine.close(timeout=FAILING_CLOSE_SECONDS)
 
 
 def _refused(bench: _Bench, call: str, make: Callable[[], object], *wanted: str) -> None:

@@ -432,3 +432,45 @@ def test_a_wait_that_times_out_is_judged_as_lost_jobs(monkeypatch: pytest.Monkey
     message = caught("X2", lambda: _enginecheck.run_transfer_engine(
         preset(DEFAULT), _enginecheck.ENGINE_CASES, {}))
     assert "0 results reported" in message and "wait(" not in message
+
+
+def engine_stage() -> None:
+    _enginecheck.run_transfer_engine(preset(DEFAULT), 40, {})
+
+
+def test_a_with_block_that_hands_back_something_else_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``__enter__`` returns None, so ``with TransferEngine(...) as e`` gives an
+    engine nobody can call (X2)."""
+    monkeypatch.setattr(_engine.TransferEngine, "__enter__", lambda self: None)
+    assert "e is the engine" in caught("X2", engine_stage)
+
+
+def test_a_with_block_that_leaves_the_engine_open_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``__exit__`` does not close: the worker and the pinned tier outlive the
+    block, and a submit after it is taken (A1)."""
+    monkeypatch.setattr(_engine.TransferEngine, "__exit__", lambda self, *exc: None)
+    assert "submit after the with block: accepted" in caught("A1", engine_stage)
+
+
+def test_a_submit_after_close_that_is_taken_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``submit`` skips its closed test (the job is queued for a worker that has
+    stopped: it never finishes)."""
+    real = _engine.TransferEngine.submit
+
+    def submit(self: Any, plan: Any) -> None:
+        closed, self._closed = self._closed, False
+        try:
+            real(self, plan)
+        finally:
+            self._closed = closed
+    monkeypatch.setattr(_engine.TransferEngine, "submit", submit)
+    assert "submit after close(): accepted" in caught("A1", engine_stage)
+
+
+def test_a_wait_for_non_int_ids_that_returns_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``wait`` takes ids of any type, so ``wait(["7"])`` returns at once as if
+    job 7 had finished: the fence it stands for does not hold."""
+    monkeypatch.setattr(_engine, "_job_ids", lambda job_ids: set(job_ids or ()))
+    assert "accepted" in caught("A1", engine_stage)
