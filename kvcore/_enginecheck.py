@@ -193,6 +193,13 @@ def _faults(plan: TransferPlan, config: OffloadConfig, caps: Sequence[int],
         ("a group missing", replace(plan, groups=plan.groups[:-1]),
          {"code": Status.E_SHAPE, "group": 0, "value": len(plan.groups) - 1,
           "bound": len(plan.groups)}),
+        ("groups in a dict", replace(plan, groups=dict(enumerate(plan.groups))),  # type: ignore[arg-type]
+         {"where": "plan.groups"}),
+        ("a group that is not a GroupTransfer",
+         replace(plan, groups=((), *plan.groups[1:])),  # type: ignore[arg-type]
+         {"where": f"job {job} plan.groups[0]"}),
+        # Made without its constructor (object.__new__, a bad unpickle): no fields at all.
+        ("a plan without its fields", object.__new__(TransferPlan), {"where": "plan"}),
     ]
     used = [g for g, gt in enumerate(plan.groups) if gt.gpu_block_ids]
     if not used:

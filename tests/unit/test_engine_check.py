@@ -474,3 +474,16 @@ def test_a_wait_for_non_int_ids_that_returns_is_caught(monkeypatch: pytest.Monke
     job 7 had finished: the fence it stands for does not hold."""
     monkeypatch.setattr(_engine, "_job_ids", lambda job_ids: set(job_ids or ()))
     assert "accepted" in caught("A1", engine_stage)
+
+
+@pytest.mark.parametrize(("name", "value", "twin"), [
+    ("hasattr", lambda obj, field: True, "a plan without its fields"),
+    ("GroupTransfer", object, "a group that is not a GroupTransfer")])
+def test_plan_type_checks_removed_are_caught(monkeypatch: pytest.MonkeyPatch, name: str,
+                                            value: object, twin: str) -> None:
+    """Mutants: ``check_plan`` never finds a field missing (``hasattr`` always true), or
+    ``_normalize_group`` takes any object as a GroupTransfer. A plan made without its
+    constructor, or a group of another type, reaches the code that reads its fields: an
+    AttributeError, not a kvcore error naming the plan (A1)."""
+    monkeypatch.setattr(_plans, name, value, raising=False)
+    assert f"{twin}: raised AttributeError" in caught("A1", engine_stage)
