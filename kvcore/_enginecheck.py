@@ -44,6 +44,7 @@ from kvcore.manager import CPUOffloadManager, cpu_capacities, group_capacity
 from kvcore.scheduler import OffloadScheduler
 from kvcore.spec.descriptors import Side, Status
 from kvcore.spec.errors import (
+    ArgumentRangeError,
     ArgumentTypeError,
     BadKeyError,
     ConfigError,
@@ -1051,6 +1052,18 @@ def _manager_valid_calls(config: OffloadConfig, checked: dict[str, int]) -> None
     enforce([SetupRecord("a first store of exactly a pool's capacity is accepted whole",
                          None if out is not None and list(out.keys_to_store) == fill
                          and sorted(out.slots) == [0, 1, 2] else f"answered {out}")], checked)
+    # Empty batches are batches: nothing to read, nothing to refresh.
+    empty: tuple[tuple[str, Call, object], ...] = (
+            ("lookup_many([])", partial(small.lookup_many, []), []),
+            ("touch([])", partial(small.touch, []), None),
+            ("lookup_hashes([], suffix)", partial(small.lookup_hashes, [], make_key(b"", 0)),
+             []),
+            ("touch_hashes([], suffix)", partial(small.touch_hashes, [], make_key(b"", 0)),
+             None))
+    for name, ask, want in empty:
+        got = _valid(f"CPUOffloadManager.{name}", ask, checked)
+        enforce([SetupRecord(f"CPUOffloadManager.{name} answers {want!r}",
+                             None if got == want else f"answered {got!r}")], checked)
     # The shortest and the longest keys are keys: a lookup answers MISS, not an error.
     for edge in (b"k", bytes(MAX_KEY_BYTES)):
         for name, ask in (("lookup", partial(small.lookup, edge)),
@@ -1127,6 +1140,22 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
             cases.append((f"{method}: a {kind} key beside a good one",
                           partial(getattr(mgr, method), [ready, bad]), BadKeyError,
                           {"where": method}))
+    # A group index of the wrong type, and a key suffix (the hash-batch calls) of the
+    # wrong type or length: each named, before anything is read or moved.
+    suffix = make_key(b"", 0)
+    for method in ("capacity_of", "policy_of"):
+        for bad in ("0", 1.0, None):
+            cases.append((f"{method}({bad!r})", partial(getattr(mgr, method), bad),
+                          ArgumentTypeError, {"argument": "group"}))
+    for method in ("lookup_hashes", "touch_hashes"):
+        call = getattr(mgr, method)
+        cases += [
+            (f"{method}: a str suffix", partial(call, [ready[:8]], suffix.hex()),
+             ArgumentTypeError, {"argument": "suffix"}),
+            (f"{method}: a suffix a byte short", partial(call, [ready[:8]], suffix[:-1]),
+             ArgumentRangeError, {"argument": "len(suffix)"}),
+            (f"{method}: a suffix a byte long", partial(call, [ready[:8]], suffix + b"\0"),
+             ArgumentRangeError, {"argument": "len(suffix)"})]
     cases += [
         ("touch: one key, not a list of keys", partial(mgr.touch, ready),  # type: ignore[arg-type]
          ArgumentTypeError, {"argument": "keys"}),
@@ -1141,7 +1170,7 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
             call()
         except Exception as exc:  # judged by the record
             raised = exc
-        wrong = "" if raised is None or isinstance(raised, cls) else f"not a {cls.__name__}"
+        wrong = "" if raised is None or isinstance(raised, cls) else f"is not a {cls.__name__}"
         wrong = wrong or (_carries(raised, expect) if raised is not None else "")
         after = (mgr.stats(), [mgr.state_of(k) for k in keys], _recency(mgr, groups))
         enforce([BadCallRecord(f"CPUOffloadManager.{name}", _name(raised),

@@ -487,3 +487,33 @@ def test_plan_type_checks_removed_are_caught(monkeypatch: pytest.MonkeyPatch, na
     AttributeError, not a kvcore error naming the plan (A1)."""
     monkeypatch.setattr(_plans, name, value, raising=False)
     assert f"{twin}: raised AttributeError" in caught("A1", engine_stage)
+
+
+def test_a_suffix_check_removed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``_check_hashes`` takes a suffix of any length, so a key of one group is
+    assembled with another's bytes cut short (A1: a suffix a byte short, accepted)."""
+    from kvcore.manager import _cpu
+    real = _cpu._check_hashes
+
+    def lenient(where: str, hashes: Any, suffix: Any) -> Any:
+        if type(suffix) is bytes:
+            return _cpu.check_hashes(where, "hashes", hashes)
+        return real(where, hashes, suffix)
+    monkeypatch.setattr(_cpu, "_check_hashes", lenient)
+    message = caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+    assert "a suffix a byte short: accepted" in message
+
+
+def test_an_empty_touch_that_is_refused_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``touch`` without its empty-batch return reads ``keys[0]`` of an empty list
+    (X2: a valid call refused)."""
+    from kvcore.manager import CPUOffloadManager
+    real = CPUOffloadManager.touch
+
+    def touch(self: Any, keys: Any) -> None:
+        if not keys:
+            raise IndexError("list index out of range")
+        real(self, keys)
+    monkeypatch.setattr(CPUOffloadManager, "touch", touch)
+    assert "touch([]): a valid call refused" in caught(
+        "X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
