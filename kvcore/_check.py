@@ -78,6 +78,9 @@ SPECULATIVE_OFF_EVERY = 4
 # Every this-many-th refinement seed (the last of each run of three) sends its steps in an
 # engine's own ScheduledRequest type (``SimOptions.own_step_type``).
 OWN_STEP_TYPE_EVERY = 3
+# Every this-many-th simulation seed (4, 9, ...) serves the scheduler from a tier with only
+# the base interface, whole keys and no hash batches (``SimOptions.keys_only_tier``).
+KEYS_ONLY_EVERY = 5
 
 
 class StageHang(AssertionError):
@@ -250,8 +253,12 @@ def stage_options(seed: int, config: OffloadConfig | None = None, *, lockstep: b
     bad call snapshots the whole state twice), with prompts sized to ``config``. Every
     third refinement seed (2, 5, ...: checks on and off alike) describes its steps with an
     engine's own ScheduledRequest type, so the scheduler's Python path, which kvcore's
-    own type never takes, is held to the reference too."""
+    own type never takes, is held to the reference too; every fifth seed (4, 9, ...) of
+    both serves it from a tier with only the base interface (whole keys), where the
+    tier is shadowed (checks on)."""
     opts = sim_options(seed, check_context(config) if config is not None else MIN_CONTEXT)
+    if not hostile and seed % KEYS_ONLY_EVERY == KEYS_ONLY_EVERY - 1:
+        opts = replace(opts, keys_only_tier=True)
     if lockstep:
         opts = replace(opts, policy="lru", lockstep=True,
                        own_step_type=seed % OWN_STEP_TYPE_EVERY == OWN_STEP_TYPE_EVERY - 1)

@@ -31,7 +31,7 @@ from kvcore.scheduler import (
 from kvcore.sim import _kv
 from kvcore.sim._hostile import Hostile
 from kvcore.sim._lockstep import paired
-from kvcore.sim._shadow import ShadowedManager
+from kvcore.sim._shadow import KeysOnlyTier, ShadowedManager
 from kvcore.sim._workload import PromptSource, SimOptions, speculative_off
 from kvcore.spec.errors import ConfigError, KVCoreError
 from kvcore.spec.invariants import FailureRecord, TransferOutcomeRecord
@@ -128,8 +128,9 @@ class Simulator:
         # With checks on, the tier runs in lock step with the reference manager (M2); the
         # reference is quadratic by design, so only for tiers the size kvcore check uses.
         shadow = check and cfg.num_cpu_blocks <= SHADOW_MAX_CHUNKS
-        self.manager: Any = ShadowedManager(cpu_capacities(cfg), policy, check=True,
-                                            max_pending_events=cfg.max_pending_events) \
+        tier = KeysOnlyTier if opts.keys_only_tier else ShadowedManager
+        self.manager: Any = tier(cpu_capacities(cfg), policy, check=True,
+                                 max_pending_events=cfg.max_pending_events) \
             if shadow else CPUOffloadManager.for_config(cfg, policy, check=check)
         # Checks the simulator makes itself, outside the code under test (X1, X2, R1).
         self.checked: dict[str, int] = {}

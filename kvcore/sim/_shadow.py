@@ -260,3 +260,13 @@ class ShadowedManager:
         self.reference.reset()
         for arc in self.arcs.values():
             arc.clear()
+
+
+class KeysOnlyTier(ShadowedManager):
+    """An engine's own tier with only the base interface: keys in, statuses out, no
+    ``lookup_hashes``/``touch_hashes``. The scheduler then reads and touches through
+    ``lookup_many`` and ``touch`` with whole keys (``StatusReader``'s key path), which
+    kvcore's own tier never takes (``SimOptions.keys_only_tier``)."""
+
+    lookup_hashes = None  # type: ignore[assignment]
+    touch_hashes = None  # type: ignore[assignment]

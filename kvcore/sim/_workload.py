@@ -62,6 +62,9 @@ class SimOptions:
     # pass vouches only for its own exact types, so every step then takes the Python path
     # (its checks, the blocks applied, the stores), which kvcore's own type never reaches.
     own_step_type: bool = False
+    # Serve the scheduler from a tier with only the base interface (``KeysOnlyTier``: no
+    # hash batches), as an engine's own tier may be; with checks on only (it shadows).
+    keys_only_tier: bool = False
     # Share of admissions whose first tokens the engine's GPU prefix cache already holds
     # (the lookup's computed_tokens > 0).
     gpu_cache_rate: float = 0.0

@@ -634,3 +634,29 @@ def test_a_lookup_beside_an_unrelated_load_is_served(monkeypatch: pytest.MonkeyP
                         lambda self, req, computed, hit: bool(self._jobs.loading))
     with pytest.raises(InvariantViolation, match="L2"):
         _scenarios.lookup_beside_another_load(OffloadScheduler, preset(DEFAULT))
+
+
+def test_the_key_path_of_a_tier_of_your_own_meets_the_lock_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: with a tier that has only the base interface (no hash batches), a lookup's
+    touch leaves out its first key. kvcore's own tier takes the hash path, so no stage
+    met this; refinement seed 4 serves the scheduler from ``KeysOnlyTier`` and the lock
+    step compares the LRU order (R1)."""
+    real = OffloadScheduler._touch
+
+    def short(self: Any, req: Any, boundary: int, reader: Any = None) -> None:
+        if self._by_hash:
+            real(self, req, boundary, reader)
+            return
+        manager, seen = self.manager, []
+        touch = manager.touch
+        monkeypatch.setattr(manager, "touch", lambda keys: seen.append(keys) or touch(keys[1:]))
+        try:
+            real(self, req, boundary, reader)
+        finally:
+            monkeypatch.setattr(manager, "touch", touch)
+    monkeypatch.setattr(OffloadScheduler, "_touch", short)
+    assert _check.stage_options(4, preset(DEFAULT), lockstep=True).keys_only_tier
+    result = stage(lockstep=True, seeds=5)
+    assert result.failure is not None and result.failure.ids == ["R1"], result.failure
+    assert result.failure.seed == "4"
