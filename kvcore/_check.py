@@ -33,7 +33,7 @@ from kvcore._proofs import ProofReport
 from kvcore._scenarios import SCENARIOS, ScenarioFailure, tallied
 from kvcore.scheduler import OffloadScheduler
 from kvcore.sim import IntegrityError, SimOptions, Simulator
-from kvcore.sim._engine import NotSettled
+from kvcore.sim._engine import HarnessLimit, NotSettled
 from kvcore.sim._machine import make_machine
 from kvcore.spec.errors import InvariantViolation, KVCopyError, KVCoreError
 from kvcore.spec.invariants import INVARIANT_IDS
@@ -178,8 +178,10 @@ def classify(exc: BaseException, *, valid_calls: bool = False) -> tuple[str, lis
     the scenarios, the state machine, the set-up's valid constructions) call kvcore only
     as its rules allow and handle every refusal they provoke on purpose. A kvcore error
     that reaches the stage is then kvcore refusing a valid call: X2 (an engine making
-    the same call would be refused alike), not an unnamed crash. ``kvcore simulate``'s
-    own errors (a bad option) are usage errors, so the CLI leaves it off.
+    the same call would be refused alike), not an unnamed crash; except a
+    ``HarnessLimit``, the simulator's own refusal of a layout its options cannot serve.
+    ``kvcore simulate``'s own errors (a bad option) are usage errors, so the CLI leaves
+    it off.
     """
     if isinstance(exc, BaseExceptionGroup):
         parts = [classify(e, valid_calls=valid_calls) for e in exc.exceptions]
@@ -191,13 +193,13 @@ def classify(exc: BaseException, *, valid_calls: bool = False) -> tuple[str, lis
     if isinstance(exc, IntegrityError):
         return "integrity", ["integrity"]
     if isinstance(exc, ScenarioFailure):
-        return "integrity", [exc.id]
+        return "invariant" if exc.id in INVARIANT_IDS else "integrity", [exc.id]
     if isinstance(exc, KVCopyError):
         return "invariant", ["B1"]
     if isinstance(exc, StageHang | NotSettled) or (isinstance(exc, AssertionError)
                                                    and "settle" in str(exc)):
         return "liveness", ["liveness"]
-    if valid_calls and isinstance(exc, KVCoreError):
+    if valid_calls and isinstance(exc, KVCoreError) and not isinstance(exc, HarnessLimit):
         return "invariant", ["X2"]
     return "crash", [type(exc).__name__]
 
@@ -254,8 +256,9 @@ def stage_options(seed: int, config: OffloadConfig | None = None, *, lockstep: b
     third refinement seed (2, 5, ...: checks on and off alike) describes its steps with an
     engine's own ScheduledRequest type, so the scheduler's Python path, which kvcore's
     own type never takes, is held to the reference too; every fifth seed (4, 9, ...) of
-    both serves it from a tier with only the base interface (whole keys), where the
-    tier is shadowed (checks on)."""
+    both asks for a tier with only the base interface (whole keys), which the simulator
+    gives where it shadows the tier (checks on: the simulations' seeds, the even
+    refinement seeds)."""
     opts = sim_options(seed, check_context(config) if config is not None else MIN_CONTEXT)
     if not hostile and seed % KEYS_ONLY_EVERY == KEYS_ONLY_EVERY - 1:
         opts = replace(opts, keys_only_tier=True)
@@ -306,6 +309,7 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
             except Exception as exc:  # every failure is reported, whatever its type
                 kind, ids = classify(exc, valid_calls=True)
                 extra = " --lockstep" if lockstep else " --hostile" if hostile else ""
+                extra += "" if checks else " --no-checks"
                 result.failure = Failure(kind, ids, f"{type(exc).__name__}: {exc}",
                                          f"kvcore simulate {layout_flag(preset)} --seed "
                                          f"{seed} --check-options{extra}", stage, str(seed),

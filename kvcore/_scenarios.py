@@ -627,17 +627,20 @@ def lookup_beside_another_load(factory: Factory, config: OffloadConfig) -> None:
     loaded makes a reader wait), and so is "e" with "a"'s prefix (PENDING: the chunks it
     would read are being loaded). Engines look requests up beside running loads every
     step; the seeded runs' few loads seldom overlap a lookup."""
-    cfg = small(config)
+    n = 4 * unit_tokens(config)
+    request = sum(len(t) for t in _ids(config, n, 1))  # ids a whole request may hold
+    # "a" and "b" share ids from 1 (b's load fills blocks a's store has read); "d" takes
+    # the ids past them: a pool of 2 requests' worth, at least kvcore's small one.
+    cfg = small(config, gpu=max(4096, 2 * request + 2))
     got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
     if got is None:
         return
     sched, done, plan = got
     _report_stores(sched, cfg, plan)
-    n = 4 * unit_tokens(cfg)
     other = _hashes(n // cfg.hash_block_tokens, salt=9)
     sched.add_request(RequestInfo("d", n, other))
     sched.lookup("d", 0, n)
-    first = 1 + 2 * sum(len(t) for t in _ids(cfg, n, 1))  # past "a"'s and "b"'s ids
+    first = 1 + request  # past "a"'s and "b"'s ids
     ids = _ids(cfg, done, first)
     _report_stores(sched, cfg, sched.build_step(StepInput(
         (ScheduledRequest("d", done, 0, n, ids),), allocated_ids=_allocated(ids))))

@@ -101,6 +101,12 @@ class SimCounters:
     blocks_verified: int = 0
 
 
+class HarnessLimit(ConfigError):
+    """The simulator cannot serve the layout with its own options: a pool too small for
+    one request, or options the layout refuses. A limit of the harness, not kvcore
+    refusing an engine's call, so ``kvcore check`` reports it as a crash (never X2)."""
+
+
 class Simulator:
     """Runs one seeded workload through the real scheduler, manager and transfer engine."""
 
@@ -122,7 +128,11 @@ class Simulator:
         from dataclasses import replace
         if opts.speculative_off:
             config = speculative_off(config) or config
-        self.config = cfg = replace(config, **overrides)
+        try:
+            self.config = cfg = replace(config, **overrides)
+        except ConfigError as exc:
+            raise HarnessLimit(exc.field, f"the simulator's options do not fit this layout: "
+                               f"{exc}") from exc
         self.rng = random.Random(f"sim:{opts.seed}")
         policy = opts.policy or "lru"
         # With checks on, the tier runs in lock step with the reference manager (M2); the
@@ -263,7 +273,7 @@ class Simulator:
             for group, g in enumerate(self.config.groups))
         usable = self.config.num_gpu_blocks - 1
         if alone > usable:
-            raise ConfigError("num_gpu_blocks", f"request {req.request_id} needs {alone} GPU "
+            raise HarnessLimit("num_gpu_blocks", f"request {req.request_id} needs {alone} GPU "
                               f"blocks at once at token {upto_tokens} ({len(self.config.groups)}"
                               f" groups), more than the pool's {usable} (block 0 is the null "
                               "block); raise num_gpu_blocks, or shorten the prompts "

@@ -660,3 +660,33 @@ def test_the_key_path_of_a_tier_of_your_own_meets_the_lock_step(
     result = stage(lockstep=True, seeds=5)
     assert result.failure is not None and result.failure.ids == ["R1"], result.failure
     assert result.failure.seed == "4"
+
+
+def test_the_simulators_own_limits_are_not_x2() -> None:
+    """A layout the simulator's fixed pool cannot serve is the harness's limit
+    (``HarnessLimit``), reported as a crash as before, not as kvcore refusing a call; a
+    scenario's failure with an invariant id is that invariant."""
+    from kvcore._scenarios import ScenarioFailure
+    from kvcore.sim._engine import HarnessLimit
+    assert _check.classify(HarnessLimit("num_gpu_blocks", "too small"), valid_calls=True) \
+        == ("crash", ["HarnessLimit"])
+    assert _check.classify(ScenarioFailure("m", "X1")) == ("invariant", ["X1"])
+    assert _check.classify(ScenarioFailure("m")) == ("integrity", ["integrity"])
+
+
+def test_an_unchecked_refinement_seed_is_replayed_unchecked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Odd refinement seeds run the scheduler with its checks off; their reproducer must
+    say so (``--no-checks``), or it replays another run (with checks on the simulator
+    also shadows the tier, and a keys-only seed gets its other tier)."""
+    real = _check.Simulator
+
+    class FailsAtSeed1(real):  # type: ignore[misc,valid-type]
+        def run(self) -> Any:
+            if self.options.seed == 1:
+                raise _check.InvariantViolation([Violation("R1", "planted")])
+            return super().run()
+    monkeypatch.setattr(_check, "Simulator", FailsAtSeed1)
+    result = stage(lockstep=True, seeds=2)
+    assert result.failure is not None and result.failure.seed == "1"
+    assert result.failure.reproducer.endswith("--check-options --lockstep --no-checks")
