@@ -27,6 +27,7 @@ from kvcore.scheduler import RequestInfo, ScheduledRequest, StepInput, WorkerRep
 from kvcore.sim._snapshot import snapshot
 from kvcore.spec.errors import BlockIdError, InvariantViolation, KVCoreError
 from kvcore.spec.invariants import BadCallRecord
+from kvcore.spec.lookup import served_chunks as spec_served_chunks
 from kvcore.spec.types import GroupKind
 
 Twin = tuple[str, Callable[[], object]]
@@ -108,7 +109,8 @@ class Hostile:
         1..num_gpu_blocks-1 (0..num_gpu_blocks-1 past the pool)."""
         if name in self.arguments and raised is not None:
             want, says = self.arguments[name]
-            argument = getattr(raised, "argument", None)
+            # An argument error names an argument; a ConfigError the config field to fix.
+            argument = getattr(raised, "argument", None) or getattr(raised, "field", None)
             if want is not None and argument != want:
                 return f"names {argument!r}; the fault is in {want}"
             if says is not None and says not in str(raised):
@@ -233,6 +235,15 @@ class Hostile:
                 "after_alloc: null inside a window group's load range", None,
                 lambda: s.after_alloc(request_id, hole, valid, computed, load_tokens),
                 says="null block inside the load range"))
+        retained = self._retained(tables, valid, computed, load_tokens) \
+            if load_tokens > 0 else None
+        if retained is not None:
+            table, group, lo = retained
+            twins.append(self._arg_twin(
+                "after_alloc: a window group's block before the chunks its lookup verified",
+                f"groups[{group}].extra_retained_tokens",
+                lambda: s.after_alloc(request_id, table, valid, computed, load_tokens),
+                says=f"verified chunks from {lo} only"))
         repeated = self._repeated(tables)
         if repeated is not None:
             twins.append(self._arg_twin(
@@ -246,6 +257,30 @@ class Hostile:
                 load_tokens)))
         self._bounce(twins)
         return s.after_alloc(request_id, tables, valid, computed, load_tokens)
+
+    def _retained(self, tables: Any, valid: Any, computed: int, load_tokens: int) -> Any:
+        """(tables, group, first verified chunk) with a real block put just before the
+        chunks a window group's lookup verified, where the table holds a null there: an
+        engine that keeps more than ``window_tokens`` before the boundary without saying
+        so (``extra_retained_tokens``). Its load would fill a block the lookup never
+        read; the error must name that field and the first chunk verified (the spec's
+        ``served_chunks``, not kvcore's). None where no group has such a position."""
+        cfg = self.impl.config
+        boundary = computed + load_tokens
+        for g, spec in enumerate(cfg.groups):
+            served = spec_served_chunks(spec, boundary, computed)
+            table = tuple(tables[g])
+            if spec.kind is GroupKind.FULL or served is None or not served[0]:
+                continue
+            first_block = served[0] * spec.blocks_per_chunk
+            at = first_block - 1  # the block just before the verified chunks
+            end = -(-boundary // spec.tokens_per_block)
+            if not valid[g] <= at < len(table) or table[at] or first_block >= end:
+                continue
+            real = next((i for i in table[first_block:end] if i), 0)
+            if real:
+                return self._tables(tables, g, real, at), g, served[0]
+        return None
 
     def _window_hole(self, tables: Any, valid: Any, boundary: int) -> Any:
         """``tables`` with the last block a window (or Mamba) group loads made null, where

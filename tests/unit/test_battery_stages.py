@@ -690,3 +690,25 @@ def test_an_unchecked_refinement_seed_is_replayed_unchecked(
     result = stage(lockstep=True, seeds=2)
     assert result.failure is not None and result.failure.seed == "1"
     assert result.failure.reproducer.endswith("--check-options --lockstep --no-checks")
+
+
+def test_a_wrong_first_verified_chunk_in_the_retained_window_error_is_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out seed 55's m06: the ConfigError for a window block before the chunks the
+    lookup verified names the wrong first chunk (``served[1]``), sending the engine's
+    author to the wrong setting. The bad-calls stage puts a real block there and the
+    error must name ``extra_retained_tokens`` and the spec's first verified chunk."""
+    from kvcore.scheduler import _rules
+    # The mutant changes only the message's chunk: raise it with another one.
+    group_load = _rules.group_load
+
+    def wrong_message(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return group_load(*args, **kwargs)
+        except _rules.ConfigError as exc:
+            raise _rules.ConfigError(exc.field, str(exc).replace(" from ", " from 99")) from exc
+    monkeypatch.setattr(_rules, "group_load", wrong_message)
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 6, result, preset=DEFAULT, hostile=True)
+    assert result.failure is not None and result.failure.ids == ["A1"], result.failure
+    assert "verified chunks from" in result.failure.message
