@@ -159,6 +159,18 @@ def _report_stores(sched: Any, cfg: OffloadConfig, plan: Any) -> None:
                          for w in range(cfg.num_workers)])
 
 
+def _stored_in_lock_step(factory: Factory, cfg: OffloadConfig
+                         ) -> tuple[OffloadScheduler, int] | None:
+    """``_prefill_with_store`` in lock step on kvcore's tier, its stores reported done:
+    (scheduler, tokens stored), or None where the layout stores nothing there."""
+    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    if got is None:
+        return None
+    sched, done, plan = got
+    _report_stores(sched, cfg, plan)
+    return sched, done
+
+
 def _lockstepped(factory: Factory) -> Factory:
     """``factory``'s scheduler in lock step with the reference (R1 on every hook)."""
     from kvcore.sim._lockstep import paired
@@ -212,13 +224,11 @@ def edge_lookups(factory: Factory, config: OffloadConfig) -> None:
     first request's stored prefill); then an allocation whose every block is valid on
     the GPU, and a load from block id 1. The lock step names an edge one side refuses,
     or an answer past the cap."""
-    from kvcore.manager import CPUOffloadManager
     cfg = small(config)
-    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    got = _stored_in_lock_step(factory, cfg)
     if got is None:
         return
-    sched, done, plan = got
-    _report_stores(sched, cfg, plan)
+    sched, done = got
     unit = unit_tokens(cfg)
     n = 4 * unit
     sched.add_request(RequestInfo("b", n, _hashes(n // cfg.hash_block_tokens)))
@@ -576,11 +586,10 @@ def failed_load_in_lock_step(factory: Factory, config: OffloadConfig) -> None:
     seldom meet one); then "b", given the failure, asks again and is answered as by the
     reference."""
     cfg = small(config)
-    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    got = _stored_in_lock_step(factory, cfg)
     if got is None:
         return
-    sched, _, plan = got
-    _report_stores(sched, cfg, plan)
+    sched, _ = got
     n = 4 * unit_tokens(cfg)
     hashes = _hashes(n // cfg.hash_block_tokens)
     _other_request_loading(sched, cfg, hashes, n)
@@ -632,11 +641,10 @@ def lookup_beside_another_load(factory: Factory, config: OffloadConfig) -> None:
     # "a" and "b" share ids from 1 (b's load fills blocks a's store has read); "d" takes
     # the ids past them: a pool of 2 requests' worth, at least kvcore's small one.
     cfg = small(config, gpu=max(4096, 2 * request + 2))
-    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    got = _stored_in_lock_step(factory, cfg)
     if got is None:
         return
-    sched, done, plan = got
-    _report_stores(sched, cfg, plan)
+    sched, done = got
     other = _hashes(n // cfg.hash_block_tokens, salt=9)
     sched.add_request(RequestInfo("d", n, other))
     sched.lookup("d", 0, n)
