@@ -309,6 +309,24 @@ class HostileMachine(RuleBasedStateMachine):
         self.gpu = [torch.zeros((48, ROW), dtype=torch.uint8) for _ in groups]
         self.transfer = TransferEngine(self.config, [[t] for t in self.gpu])
         self.plan_ids = 10**6
+        self._stored_then_asked_again()
+
+    def _stored_then_asked_again(self) -> None:
+        """One prompt run to the end, then asked again, so every example copies and checks
+        a load: the random rules alone reach one only by chance (a dev-profile run of 40
+        examples once checked no load at all, and the test's coverage assertion failed)."""
+        # Short enough that the smallest tier (3 chunks of 2 tokens) still holds its start.
+        length = 10 if self.config.num_cpu_blocks > 3 else 6
+        tokens = [(7 * j + 1) % 5 for j in range(length)]
+        before = COUNTS["loads checked"]
+        for _ in range(2):
+            rid = self.engine.arrive(tokens, 1)
+            for _ in range(40):
+                if self.engine.reqs[rid].state == "finished" and not self.engine.live:
+                    break
+                self.run(1)
+        COUNTS["examples"] += 1
+        COUNTS["examples with a load"] += COUNTS["loads checked"] > before
 
     def teardown(self) -> None:
         if hasattr(self, "transfer"):
