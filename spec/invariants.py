@@ -23,7 +23,15 @@ from kvcore.spec.descriptors import (
 from kvcore.spec.descriptors import Status as CopyStatus
 from kvcore.spec.lookup import HitMap, read_at_segment_end, served_chunks, spec_hit
 from kvcore.spec.plans import JobKind, TransferPlan, chunks_spanned
-from kvcore.spec.types import PENDING, Key, LookupResult, OffloadConfig, Status, cdiv
+from kvcore.spec.types import (
+    KEY_GROUP_BYTES,
+    PENDING,
+    Key,
+    LookupResult,
+    OffloadConfig,
+    Status,
+    cdiv,
+)
 
 
 @dataclass(frozen=True)
@@ -742,13 +750,25 @@ def m1_eviction_safe(r: EvictionRecord) -> list[Violation]:
 
 
 def k1_keys_distinct(r: KeyRecord) -> list[Violation]:
-    """K1: keys of different groups or different prefixes never collide."""
+    """K1: keys of different groups or different prefixes never collide.
+
+    Two triples with one key are a collision. So is a key that is not its own (group,
+    hash) in the key encoding (the hash, then the group as ``KEY_GROUP_BYTES`` big-endian
+    bytes, restated here): it is the key of the prefix and group it encodes, which the
+    tier serves to whoever asks for those, whether or not that request is in the record.
+    """
     seen: dict[Key, tuple[int, bytes]] = {}
     for group, chunk_hash, key in r.triples:
         other = seen.setdefault(key, (group, chunk_hash))
         if other != (group, chunk_hash):
             return [Violation("K1", f"key {key.hex()[:24]} names both {other} and "
                               f"{(group, chunk_hash)}", {"groups": (other[0], group)})]
+        if key != chunk_hash + group.to_bytes(KEY_GROUP_BYTES, "big"):
+            owner = (int.from_bytes(key[-KEY_GROUP_BYTES:], "big"),
+                     key[:-KEY_GROUP_BYTES].hex()[:16])
+            return [Violation("K1", f"key {key.hex()[:24]} was made for group {group}, "
+                              f"hash {chunk_hash.hex()[:16]}, but is the key of "
+                              f"(group, hash) {owner}", {"groups": (owner[0], group)})]
     return []
 
 

@@ -117,12 +117,6 @@ class HashChain:
             out.extend(self._tail[at - frozen:stop - frozen:step])
         return out
 
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self._base
-        for segment in self._segments:
-            yield from segment
-        yield from self._tail
-
 
 class GroupKeys:
     """One group's chunk keys as a read-only sequence over the request's ``HashChain``.

@@ -14,6 +14,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
+from itertools import islice
 from typing import Any, cast
 
 from kvcore._checks import checks_enabled, enforce
@@ -190,7 +191,7 @@ class OffloadScheduler:
                                  HashChain(info.block_hashes))
         self._reqs[info.request_id] = req
         if self.check:
-            self._check_keys(req)
+            self._check_keys(req, info.block_hashes, 0)
 
     def _req(self, request_id: str) -> RequestState:
         """The request a hook names; a finished one is refused as if gone (it stays only
@@ -219,6 +220,8 @@ class OffloadScheduler:
         req = self._req(request_id)
         self._hash_len = _validate.hash_length("add_hashes", "hashes", self._hash_len, new)
         req.hashes.extend(new)
+        if self.check:
+            self._check_keys(req, new, req.hashes.size - len(new))
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -471,6 +474,11 @@ class OffloadScheduler:
                 plan = self._store_step(req, sr)
                 if plan is not None:
                     stores.append(plan)
+        if self.check:
+            for sr in step.requests:
+                if sr.new_hashes:
+                    req = self._reqs[sr.request_id]
+                    self._check_keys(req, sr.new_hashes, req.hashes.size - len(sr.new_hashes))
         loads, self._queued_loads = tuple(self._queued_loads), []
         return StepPlan(loads, tuple(stores), tuple(sorted(flush)))
 
@@ -767,16 +775,28 @@ class OffloadScheduler:
 
     # -- runtime checks (only with checks on) ---------------------------------------------
 
-    def _check_keys(self, req: RequestState) -> None:
-        """Each key beside the group that asked for it and its chunk's last hash, both
-        taken from the request, not decoded from the key: decoding makes equal keys name
-        the same (group, hash), so two groups sharing a key could never be seen (K1)."""
-        chain = list(req.hashes)
-        ends = [chain[hpc - 1::hpc] for hpc in map(self.config.hashes_per_chunk,
-                                                    range(len(req.keys)))]
-        triples = tuple((group, end, key) for group, keys in enumerate(req.keys)
-                        for end, key in zip(ends[group], keys, strict=True))
-        self._enforce([KeyRecord(triples)])
+    def _check_keys(self, req: RequestState, given: Sequence[bytes], first: int) -> None:
+        """The keys of every chunk the hashes ``given`` (the chain's from index ``first``)
+        completed, each beside its group and its chunk's last hash (K1).
+
+        The hashes are read from the engine's own sequence, not from the chain the keys
+        are derived through, so a chain that answers a wrong hash (a prompt's or one added
+        later, in any of its parts) makes a key another (group, hash) also names; the
+        chunk before the new ones comes along, as the key such a slip repeats most
+        often. The group is the one that asked, not decoded from the key: decoding makes
+        equal keys name the same (group, hash), so two groups sharing a key could never
+        be seen."""
+        triples: list[tuple[int, bytes, Key]] = []
+        for group, keys in enumerate(req.keys):
+            hpc = self.config.hashes_per_chunk(group)
+            new, end = first // hpc, len(keys)  # chunk new is the first ending at >= first
+            if new >= end:
+                continue
+            if new:
+                triples.append((group, req.hashes[new * hpc - 1], keys[new - 1]))
+            ends = islice(given, (new + 1) * hpc - 1 - first, None, hpc)
+            triples.extend((group, h, k) for h, k in zip(ends, keys[new:end], strict=True))
+        self._enforce([KeyRecord(tuple(triples))])
 
     def _check_lookup(self, req: RequestState, computed: int, num_tokens: int,
                       result: LookupResult, conv: Convergence,

@@ -453,6 +453,10 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                KeyRecord((*K1_OK.triples, (2, b"a", make_key(b"a", 0)))), "names both"),
         Across("one key for two prefixes",
                KeyRecord((*K1_OK.triples, (0, b"b", make_key(b"a", 0)))), "names both"),
+        Across("a key made from a neighbour's hash, alone in its record",
+               KeyRecord(((0, b"b", make_key(b"a", 0)),)), "but is the key of"),
+        Across("a key of the right hash under another group",
+               KeyRecord(((1, b"b", make_key(b"b", 0)),)), "was made for group 1"),
     ]),
 ]
 

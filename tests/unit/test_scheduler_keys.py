@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import gc
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcore.manager import CPUOffloadManager
+from kvcore.scheduler import (
+    OffloadScheduler,
+    RequestInfo,
+    ScheduledRequest,
+    StepInput,
+)
 from kvcore.scheduler._state import SEGMENT, GroupKeys, HashChain
-from kvcore.spec.types import make_key
+from kvcore.spec.errors import InvariantViolation
+from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig, make_key
 
 
 @pytest.mark.parametrize("hpc", [1, 2, 16, 64])
@@ -58,7 +67,7 @@ def test_chain_answers_as_a_list(extends: list[tuple[int, bool]], data: st.DataO
         chain.extend(tuple(new) if as_tuple else new)
         model.extend(new)
         assert len(chain) == len(model)
-    assert list(chain) == model
+    assert chain.strided(0, len(model), 1) == model
     if model:
         for index in data.draw(st.lists(st.integers(-len(model), len(model) - 1),
                                         max_size=10)):
@@ -103,3 +112,41 @@ def test_length_follows_the_hash_chain_and_out_of_range_raises() -> None:
         keys[3]
     with pytest.raises(IndexError, match=r"^chunk -4 outside 0\.\.2$"):
         keys[-4]
+
+
+def _scheduler_on_a_shuffling_chain(monkeypatch: pytest.MonkeyPatch) -> OffloadScheduler:
+    """A checked scheduler whose chain stores every batch of added hashes reversed (the
+    prompt's tuple stays whole): keys read back through it name the wrong hash."""
+    original = HashChain.extend
+
+    def reversed_batches(self: HashChain, hashes: Sequence[bytes]) -> None:
+        if self.size:
+            hashes = list(hashes)[::-1]
+        original(self, hashes)
+
+    monkeypatch.setattr(HashChain, "extend", reversed_batches)
+    config = OffloadConfig((GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
+                           num_gpu_blocks=64, num_cpu_blocks=16)
+    sched = OffloadScheduler(config, CPUOffloadManager.for_config(config), check=True)
+    sched.add_request(RequestInfo("r", 8, (b"\x01" * 8, b"\x02" * 8)))
+    return sched
+
+
+def test_keys_of_hashes_added_later_are_checked_by_add_hashes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """K1 runs on every growth of the chain, not only on the prompt's hashes: before,
+    a chain that misplaced a later hash (any part but the prompt's tuple) was checked
+    by nothing. Mutant: the check at add_hashes removed."""
+    sched = _scheduler_on_a_shuffling_chain(monkeypatch)
+    with pytest.raises(InvariantViolation, match="K1"):
+        sched.add_hashes("r", [b"\x03" * 8, b"\x04" * 8, b"\x05" * 8])
+
+
+def test_keys_of_a_steps_new_hashes_are_checked_by_build_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through a step's ``new_hashes``. Mutant: the check in build_step removed."""
+    sched = _scheduler_on_a_shuffling_chain(monkeypatch)
+    step = StepInput((ScheduledRequest("r", 20, 0, 20, ((1, 2, 3, 4, 5),),
+                                       new_hashes=(b"\x03" * 8, b"\x04" * 8, b"\x05" * 8)),))
+    with pytest.raises(InvariantViolation, match="K1"):
+        sched.build_step(step)
