@@ -7,11 +7,14 @@ negative or bool count, computed tokens past the end, a GPU id outside the pool,
 in a FULL group or one of its blocks at two positions, an allocated id that cannot
 exist, a table for the wrong number of groups, a report from a worker that does not
 exist or for a job never issued, a second report from one worker, a hash of the wrong
-type or length. The twin must raise a kvcore argument error and leave the scheduler, its
-tier and the tier's policy exactly as they were (a deep ``snapshot``); then the real call
-goes through. Bounded: at most one twin per real call, about three in ten calls, at most
-``limit`` (60) in a run; of the twins a call offers, one of the kinds bounced least so
-far.
+type or length, a hook on a request the engine finished, tokens past the hashes given,
+a load asked for while the request's own jobs run, more valid blocks than a table holds,
+a step that is not a ``StepInput``, a report or a reset for a load ``after_alloc``
+queued but no step has handed to the workers yet. The twin must raise a kvcore argument
+error and leave the scheduler, its tier and the tier's policy exactly as they were (a
+deep ``snapshot``); then the real call goes through. Bounded: at most one twin per real
+call, about three in ten calls, at most ``limit`` (60) in a run; of the twins a call
+offers, one of the kinds bounced least so far (a kind never bounced yet always is).
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ class Hostile:
         self.full = [g for g, spec in enumerate(cfg.groups) if spec.kind is GroupKind.FULL]
         self.workers = cfg.num_workers
         self.skipping: set[str] = set()  # requests added with skip_reading
+        self.finished: set[str] = set()  # requests the engine finished
+        # The job ids after_alloc queued since the last build_step: until that step hands
+        # them to the workers, a report for one or a reset must be refused.
+        self.queued: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.impl, name)
@@ -147,6 +154,15 @@ class Hostile:
                 return self._tables(tables, g, tables[g][0], 1)
         return None
 
+    def _finished_twins(self, hook: str, call: Callable[[str], object]) -> list[Twin]:
+        """``call`` on a request the engine finished whose jobs are still in flight (it
+        stays tracked until they settle): refused as if gone, since its blocks are freed."""
+        gone = sorted(self.finished & self.impl.tracked_requests())
+        if not gone:
+            return []
+        return [self._arg_twin(f"{hook}: a finished request", None,
+                               partial(call, gone[0]), says="was finished")]
+
     # -- the hooks -------------------------------------------------------------------------
 
     def add_request(self, info: RequestInfo) -> None:
@@ -183,12 +199,14 @@ class Hostile:
             ("add_hashes: one hash, a str", lambda: s.add_hashes(
                 request_id, [hashes[0].decode("latin-1")])),
         ]
+        if hashes:
+            twins += self._finished_twins("add_hashes", lambda rid: s.add_hashes(rid, hashes))
         self._bounce(twins if hashes else [])
         s.add_hashes(request_id, hashes)
 
     def lookup(self, request_id: str, computed: int, num_tokens: int, **cap: Any) -> Any:
         s = self.impl
-        self._bounce([
+        twins: list[Twin] = [
             ("lookup: unknown request", lambda: s.lookup("no-such-request", computed,
                                                         num_tokens)),
             ("lookup: negative computed", lambda: s.lookup(request_id, -1, num_tokens)),
@@ -200,7 +218,14 @@ class Hostile:
                                                             max_tokens=-1)),
             ("lookup: float max_tokens", lambda: s.lookup(request_id, computed, num_tokens,
                                                          max_tokens=1.0)),
-        ])
+            # One hash block past every hash given (the simulator sends a request's
+            # hashes before its lookup): the chunks there have no keys yet.
+            self._arg_twin("lookup: tokens past its hashes", None, lambda: s.lookup(
+                request_id, computed, num_tokens + s.config.hash_block_tokens),
+                says="tokens claimed but only"),
+        ]
+        twins += self._finished_twins("lookup", lambda rid: s.lookup(rid, 0, 0))
+        self._bounce(twins)
         return s.lookup(request_id, computed, num_tokens, **cap)
 
     def after_alloc(self, request_id: str, tables: Any, valid: Any, computed: int,
@@ -221,6 +246,10 @@ class Hostile:
                 request_id, self._tables(tables, 0, self.top), valid, computed, load_tokens)),
             ("after_alloc: bool id", lambda: s.after_alloc(
                 request_id, self._tables(tables, 0, True), valid, computed, load_tokens)),
+            self._arg_twin("after_alloc: more valid blocks than the table holds",
+                           "valid_blocks[0]", lambda: s.after_alloc(
+                request_id, tables, (len(tables[0]) + 1, *valid[1:]), computed,
+                load_tokens)),
         ]
         if request_id in self.skipping and load_tokens == 0:
             # Its lookup answered 0 without reading the tier: no load may follow it.
@@ -256,7 +285,10 @@ class Hostile:
                 request_id, self._tables(tables, self.full[0], 0), valid, computed,
                 load_tokens)))
         self._bounce(twins)
-        return s.after_alloc(request_id, tables, valid, computed, load_tokens)
+        plan = s.after_alloc(request_id, tables, valid, computed, load_tokens)
+        if plan is not None:
+            self.queued.append(plan.job_id)
+        return plan
 
     def _retained(self, tables: Any, valid: Any, computed: int, load_tokens: int) -> Any:
         """(tables, group, first verified chunk) with a real block put just before the
@@ -299,6 +331,7 @@ class Hostile:
 
     def build_step(self, step: StepInput) -> Any:
         self._bounce(self._step_twins(step))
+        self.queued = []
         return self.impl.build_step(step)
 
     def _step_twins(self, step: StepInput) -> list[Twin]:
@@ -312,7 +345,30 @@ class Hostile:
             ("build_step: unknown preempted", lambda: s.build_step(
                 replace(step, preempted=(*step.preempted, "no-such-request")))),
             ("build_step: unknown request", lambda: s.build_step(replace(step, requests=(
-                *reqs, ScheduledRequest("no-such-request", 1, 0, 1)))))]
+                *reqs, ScheduledRequest("no-such-request", 1, 0, 1))))),
+            self._arg_twin("build_step: not a StepInput", "step",
+                           lambda: s.build_step(tuple(reqs)))]
+        busy = sorted(r for r in s.tracked_requests() - self.finished if s.jobs_of(r))
+        if busy:
+            # A load asked for while the request's own jobs run (its lookup would be
+            # PENDING, J1): the load would race its store.
+            empty = tuple(() for _ in s.config.groups)
+            zeros = tuple(0 for _ in s.config.groups)
+            twins.append(self._arg_twin(
+                "after_alloc: a load while the request's jobs run", None,
+                lambda: s.after_alloc(busy[0], empty, zeros, 0, 1),
+                says="has jobs in flight"))
+        if self.queued:
+            # Between after_alloc and the step that hands its load to the workers: a
+            # report for that load would unpin the slots it reads, a reset would drop a
+            # load whose blocks the engine was promised.
+            job = self.queued[0]
+            twins += [
+                self._arg_twin("worker_output: a load after_alloc queued, before its step",
+                               None, lambda: s.worker_output([WorkerReport(0, job)]),
+                               says="queued by after_alloc"),
+                self._arg_twin("reset: between after_alloc and build_step", None, s.reset,
+                               says="between after_alloc and build_step")]
         if reqs:
             first = reqs[0]
             # The last one twice: an error must name it, not the first it meets.
@@ -321,6 +377,12 @@ class Hostile:
                                         lambda: s.build_step(replace(step,
                                                                      requests=(*reqs, last))),
                                         says=f"request {last.request_id!r} appears twice"))
+            # One hash block more than the hashes given (the simulator sends each
+            # completed block's hash with the step that completes it).
+            more = replace(first, num_tokens=first.num_tokens + s.config.hash_block_tokens)
+            twins.append(self._arg_twin(
+                "build_step: tokens past its hashes", None, lambda: s.build_step(replace(
+                    step, requests=(more, *reqs[1:]))), says="hashes of"))
             ids = first.new_block_ids
             if ids and any(ids):
                 g = next(i for i, t in enumerate(ids) if t)
@@ -394,3 +456,4 @@ class Hostile:
         self._bounce([("request_finished: unknown request",
                        lambda: s.request_finished("no-such-request"))])
         s.request_finished(request_id)
+        self.finished.add(request_id)

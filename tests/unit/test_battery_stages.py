@@ -8,7 +8,8 @@ that escapes the battery. (3) The shadow tier names a real tier that raises wher
 reference answers (M2), and compares ``lookup_many``, the scheduler's read path. (4) A
 valid lookup at an edge (everything computed, a cap of 0) refused by kvcore is named by
 the directed edge-lookup scenario (R1). (5) The bad-calls stage's seeds meet every
-variant of the options.
+variant of the options. (6) Each scheduler refusal the stage's twins reach, removed, is
+named (A1).
 """
 
 from __future__ import annotations
@@ -712,3 +713,39 @@ def test_a_wrong_first_verified_chunk_in_the_retained_window_error_is_named(
     _check.run_sims(preset(DEFAULT), 6, result, preset=DEFAULT, hostile=True)
     assert result.failure is not None and result.failure.ids == ["A1"], result.failure
     assert "verified chunks from" in result.failure.message
+
+
+# Refusals the bad-calls stage's twins reach (each line was executed by no stage of
+# ``kvcore check`` before): the scheduler method, its check made never true, and the
+# twin whose A1 names it.
+REFUSALS = [
+    ("_req", "if req.finished:", "a finished request"),
+    ("lookup", "if num_tokens // self.config.hash_block_tokens > len(req.hashes):",
+     "lookup: tokens past its hashes"),
+    ("after_alloc", "if req.jobs:", "a load while the request's jobs run"),
+    ("_validate_alloc", "if count > len(tables[group]):", "more valid blocks than the table"),
+    ("_validate_step", "if not isinstance(step, StepInput):", "build_step: not a StepInput"),
+    ("_validate_scheduled", "if sr.num_tokens // cfg.hash_block_tokens > hashes:",
+     "build_step: tokens past its hashes"),
+    ("_validate_reports", "if r.job_id in queued:", "a load after_alloc queued"),
+    ("reset", "if self._queued_loads:", "reset: between after_alloc and build_step"),
+]
+
+
+@pytest.mark.parametrize(("method", "check", "twin"), REFUSALS,
+                         ids=[m for m, _, _ in REFUSALS])
+def test_the_bad_calls_stage_names_each_refusal_removed(
+        monkeypatch: pytest.MonkeyPatch, method: str, check: str, twin: str) -> None:
+    """Mutants: one of the scheduler's refusals removed (a hook on a finished request
+    acting on freed blocks; a lookup or step past the hashes given; a load beside the
+    request's own jobs; more valid blocks than the table; a step that is not a
+    StepInput; a report or a reset for a load queued but not yet handed to the workers).
+    The stage's twin for it must be accepted or refused for another reason, and named."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(OffloadScheduler, method,
+                        mutated(getattr(OffloadScheduler, method), check, "if False:"))
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 3, result, preset=DEFAULT, hostile=True)
+    assert result.failure is not None and result.failure.ids == ["A1"], result.failure
+    assert twin in result.failure.message, result.failure.message
