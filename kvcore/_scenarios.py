@@ -505,7 +505,8 @@ def tier_churn(factory: Factory, config: OffloadConfig) -> None:
     touches that promote keys and hit ghosts (ARC's p moves both ways), loads that pin
     (some keys twice, released one load at a time),
     failed stores, completions that also list READY, repeated and absent keys (the tier
-    must leave them alone), and events taken now and then. Every answer and every victim is the
+    must leave them alone), events taken now and then, and at the end a store whose only
+    evictable keys are its own. Every answer and every victim is the
     reference manager's, through the shadow; no scheduler is involved."""
     del factory  # the tier alone
     rng = random.Random(f"churn:{config.name}:{len(config.groups)}")
@@ -544,7 +545,31 @@ def tier_churn(factory: Factory, config: OffloadConfig) -> None:
                 manager.take_events()
         while pinned:
             manager.complete_load(pinned.pop())
+        _nearly_all_pinned(manager, keys[:CHURN_SLOTS + 1])
         _count(manager.checked)
+
+
+def _nearly_all_pinned(manager: ShadowedManager, keys: list[bytes]) -> None:
+    """A full tier with all but two keys pinned by loads, then a store of those two and
+    one new key: by count two keys are evictable for the one slot it needs, but both are
+    the store's own (protected), so the policy's walk comes back empty-handed and the
+    store is refused, a path churn alone never met (the manager's count shortcut answers
+    first whenever fewer keys are unpinned). A store of the new key alone then evicts
+    one of the two; every answer as the reference's."""
+    fill, new = keys[:CHURN_SLOTS], keys[CHURN_SLOTS]
+    out = manager.prepare_store(fill)
+    if out is not None and out.keys_to_store:
+        manager.complete_store(list(out.keys_to_store), True)
+    ready = [k for k in fill if manager.lookup(k) is Status.HIT]
+    free, held = ready[:2], ready[2:]
+    if held:
+        manager.prepare_load(held)
+    manager.prepare_store([*free, new])
+    out = manager.prepare_store([new])
+    if out is not None and out.keys_to_store:
+        manager.complete_store(list(out.keys_to_store), True)
+    if held:
+        manager.complete_load(held)
 
 
 def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:

@@ -140,6 +140,26 @@ def test_tier_churn_names_an_arc_choice_that_never_switches_lists(
         _scenarios.tier_churn(OffloadScheduler, preset(DEFAULT))
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_tier_churn_names_a_policy_that_settles_for_fewer_victims(
+        monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    """Mutants: a policy's ``choose`` hands back the victims it found when it found too
+    few, instead of None. The tier's count shortcut refuses first whenever too few keys
+    are unpinned, so the walk comes back short only when the evictable keys are the
+    store's own; tier churn ends on such a store, shadowed by the reference (M2)."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore import _scenarios
+    from kvcore.manager import _arc, _lru
+    cls = _lru.LRUPolicy if policy == "lru" else _arc.ARCPolicy
+    # (The source as ``mutated`` reads it: dedented by the class's four spaces.)
+    old = "return None" if policy == "lru" else "if key is None:\n            return None"
+    new = "return chosen" if policy == "lru" else "if key is None:\n            return chosen"
+    monkeypatch.setattr(cls, "choose", mutated(cls.choose, old, new))
+    with pytest.raises(InvariantViolation, match="M2"):
+        _scenarios.tier_churn(OffloadScheduler, preset(DEFAULT))
+
+
 def test_a_window_not_reverified_after_a_shrink_is_named(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """Mutant: the convergence loop re-verifies FULL and draft groups after a shrink but
