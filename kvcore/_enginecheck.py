@@ -843,6 +843,13 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
         # only views of one stride can be shown apart, so this must be refused.
         ("two strides over one storage", engine(_two_strides(gpu, g, n)),
          (f"gpu_tensors[{g}][0]", f"gpu_tensors[{g}][1]")),
+        # A tensor with no memory behind it (data_ptr 0): beside CPU tensors it is one on
+        # another device; alone (a one-group layout) a device kvcore does not serve.
+        ("a tensor on the meta device", engine(with_tensor(
+            torch.empty((n, 16), dtype=torch.uint8, device="meta"))), (where, "gpu_tensors")),
+        # Its bytes are not what it reads as: a raw copy would serve unconjugated values.
+        ("a tensor with a lazy conj bit", engine(with_tensor(
+            torch.zeros((n, 2), dtype=torch.complex64).conj())), (where,)),
     ]
     # Rows can overlap from two blocks on: the smallest pool where the check applies.
     small = [[_overlapping(2) if (h, k) == (g, 0) else torch.zeros((2, 16), dtype=torch.uint8)
@@ -863,6 +870,8 @@ def _engine_twins(cfg: OffloadConfig, gpu: list[list[torch.Tensor]], tier_bytes:
         # shape is wrong.
         ("float32", torch.empty(tier_bytes, dtype=torch.float32), {}),
         ("2-D", torch.empty((tier_bytes, 1), dtype=torch.uint8), {}),
+        ("a bytearray", bytearray(tier_bytes), {}),
+        ("on the meta device", torch.empty(tier_bytes, dtype=torch.uint8, device="meta"), {}),
     ]
     for name, buf, kw in buffers:
         out.append((f"cpu_buffer {name}", engine(cpu_buffer=buf, **kw), ("cpu_buffer",)))

@@ -67,6 +67,17 @@ def test_an_unchecked_cpu_buffer_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
     caught("A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
 
 
+def test_a_tensor_with_a_lazy_conj_bit_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the conj/neg test of a registered tensor removed; a raw byte copy of a
+    ``.conj()`` view serves values that are not what the tensor reads as."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_memory, "_row_layout", mutated(
+        _memory._row_layout, "if t.is_conj() or t.is_neg():", "if False:"))
+    assert "lazy conj bit: accepted" in caught(
+        "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
 @pytest.mark.parametrize("read", ["policy_of", "capacity_of"])
 def test_a_tier_read_that_refuses_a_group_is_named(monkeypatch: pytest.MonkeyPatch,
                                                    read: str) -> None:
