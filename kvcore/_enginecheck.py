@@ -736,7 +736,15 @@ def _object_twins(config: OffloadConfig) -> list[tuple[str, Call, tuple[str, ...
     """The manager's and the scheduler's constructors with one argument wrong."""
     def manager() -> CPUOffloadManager:
         return CPUOffloadManager.for_config(config)
+    # A tier with no pool for the last group (another config's): its first store of that
+    # group would fail after the step had changed the scheduler. (A one-group config
+    # has no such tier: an empty capacity list is the tier's own refusal.)
+    short = [("OffloadScheduler: a manager without the last group's pool",
+              lambda: OffloadScheduler(config, CPUOffloadManager(
+                  list(cpu_capacities(config))[:-1])), ("manager",))] \
+        if len(config.groups) > 1 else []
     return [
+        *short,
         ("CPUOffloadManager: capacity=-1", lambda: CPUOffloadManager(-1), ("capacity",)),
         ("CPUOffloadManager: capacity=True", lambda: CPUOffloadManager(True), ("capacity",)),
         ("CPUOffloadManager: policy='fifo'", lambda: CPUOffloadManager(4, "fifo"),

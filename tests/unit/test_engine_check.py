@@ -78,6 +78,15 @@ def test_a_tensor_with_a_lazy_conj_bit_is_caught(monkeypatch: pytest.MonkeyPatch
         "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
 
 
+def test_a_manager_short_of_a_pool_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the scheduler takes a manager with no pool for one of its groups (its
+    first store of that group fails after the step had changed the scheduler)."""
+    from kvcore.scheduler import scheduler
+    monkeypatch.setattr(scheduler, "_check_pools", lambda config, manager: None)
+    assert "without the last group's pool: accepted" in caught(
+        "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
 @pytest.mark.parametrize("read", ["policy_of", "capacity_of"])
 def test_a_tier_read_that_refuses_a_group_is_named(monkeypatch: pytest.MonkeyPatch,
                                                    read: str) -> None:
