@@ -758,12 +758,16 @@ def k1_keys_distinct(r: KeyRecord) -> list[Violation]:
     tier serves to whoever asks for those, whether or not that request is in the record.
     """
     seen: dict[Key, tuple[int, bytes]] = {}
+    suffixes: dict[int, bytes] = {}
     for group, chunk_hash, key in r.triples:
         other = seen.setdefault(key, (group, chunk_hash))
         if other != (group, chunk_hash):
             return [Violation("K1", f"key {key.hex()[:24]} names both {other} and "
                               f"{(group, chunk_hash)}", {"groups": (other[0], group)})]
-        if key != chunk_hash + group.to_bytes(KEY_GROUP_BYTES, "big"):
+        suffix = suffixes.get(group)
+        if suffix is None:
+            suffix = suffixes[group] = group.to_bytes(KEY_GROUP_BYTES, "big")
+        if key != chunk_hash + suffix:
             owner = (int.from_bytes(key[-KEY_GROUP_BYTES:], "big"),
                      key[:-KEY_GROUP_BYTES].hex()[:16])
             return [Violation("K1", f"key {key.hex()[:24]} was made for group {group}, "

@@ -315,7 +315,7 @@ class HostileMachine(RuleBasedStateMachine):
         """One prompt run to the end, then asked again, so every example copies and checks
         a load: the random rules alone reach one only by chance (a dev-profile run of 40
         examples once checked no load at all, and the test's coverage assertion failed)."""
-        # Short enough that the smallest tier (3 chunks of 2 tokens) still holds its start.
+        # Short enough that the smallest tier (3 chunks) still holds its first chunk.
         length = 10 if self.config.num_cpu_blocks > 3 else 6
         tokens = [(7 * j + 1) % 5 for j in range(length)]
         before = COUNTS["loads checked"]

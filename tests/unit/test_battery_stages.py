@@ -769,3 +769,20 @@ def test_the_bad_calls_stage_names_each_refusal_removed(
     _check.run_sims(preset(DEFAULT), 3, result, preset=DEFAULT, hostile=True)
     assert result.failure is not None and result.failure.ids == ["A1"], result.failure
     assert twin in result.failure.message, result.failure.message
+
+
+def test_a_rare_twin_is_not_starved_by_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: a window group's load may start before the chunks its lookup verified
+    (``group_load`` without ``first_chunk < served[0]``). On gpt-oss only the twin with a
+    block before the verified chunks meets it, and that twin applies now and then: once
+    the twins every call offers had spent the stage's limit, it never bounced and the
+    stage passed. A kind's first bounce is outside the limit now."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.scheduler import _rules
+    monkeypatch.setattr(_rules, "group_load", mutated(
+        _rules.group_load, "first_chunk < served[0] or ", ""))
+    result = _check.BatteryResult()
+    _check.run_sims(preset("gpt-oss"), 6, result, preset="gpt-oss", hostile=True)
+    assert result.failure is not None and result.failure.ids in (["A1"], ["L1"]), \
+        result.failure
