@@ -433,12 +433,16 @@ def _simulate_parser(sub: Any) -> None:
                    help="draw fault rates (failed/late reports, aborts, resets) from the seed")
     s.add_argument("--check-options", action="store_true",
                    help="use the options `kvcore check` ran this seed with (to replay it)")
-    s.add_argument("--lockstep", action="store_true",
-                   help="run the scheduler in lock step with the reference model (R1; LRU "
-                        "tier; what `kvcore check`'s refinement stage does)")
-    s.add_argument("--hostile", action="store_true",
-                   help="make bad twins of a share of the calls, which must bounce (A1; what "
-                        "`kvcore check`'s bad-calls stage does)")
+    # One or the other, as kvcore check's stages run them: a bad twin sent through the
+    # lock step reaches the reference model too, which is not built to bounce it.
+    stages = s.add_mutually_exclusive_group()
+    stages.add_argument("--lockstep", action="store_true",
+                        help="run the scheduler in lock step with the reference model (R1; "
+                             "LRU tier; what `kvcore check`'s refinement stage does)")
+    stages.add_argument("--hostile", action="store_true",
+                        help="make bad twins of a share of the calls, which must bounce (A1; "
+                             "what `kvcore check`'s bad-calls stage does; not with "
+                             "--lockstep)")
     s.add_argument("--json", help="write the report as JSON to this file")
     s.set_defaults(func=cmd_simulate)
 

@@ -157,6 +157,9 @@ USAGE_ROWS: list[tuple[str, list[str], int, str]] = [
     ("--seed -1", ["simulate", "--seed", "-1"], EXIT_USAGE, "--seed"),
     ("--prefill-budget 0", ["simulate", "--prefill-budget", "0"], EXIT_USAGE, "--prefill"),
     ("--max-new-tokens 0", ["simulate", "--max-new-tokens", "0"], EXIT_USAGE, "--max-new"),
+    # The bad twins would reach the reference model, which fails the run on correct code.
+    ("--lockstep with --hostile", ["simulate", "--lockstep", "--hostile"], EXIT_USAGE,
+     "not allowed with"),
     ("bad config", ["check", "--config", "{tmp}/bad.toml"], EXIT_USAGE, "groups[0].is_draft"),
     ("missing config", ["check", "--config", "{tmp}/none.toml"], EXIT_USAGE, "cannot read"),
     ("simulate on a 10**12-token window", ["simulate", "--config", "{tmp}/huge.toml"],
