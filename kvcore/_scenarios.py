@@ -35,6 +35,7 @@ from kvcore.scheduler import (
 )
 from kvcore.sim._shadow import ShadowedManager
 from kvcore.sim._workload import speculative_off
+from kvcore.spec.errors import BadReportError
 from kvcore.spec.types import (
     MAX_GPU_BLOCKS,
     GroupKind,
@@ -685,6 +686,43 @@ def lookup_beside_another_load(factory: Factory, config: OffloadConfig) -> None:
     sched.lookup("e", 0, n)
 
 
+class _ShortHashes(CPUOffloadManager):
+    """kvcore's tier, its hash batch read one status short."""
+
+    def lookup_hashes(self, hashes: Any, suffix: bytes) -> list[Status]:
+        return list(super().lookup_hashes(hashes, suffix))[:-1]
+
+
+class _ShortKeys(CPUOffloadManager):
+    """A tier with whole keys only (no hash batches), its batch read one status short."""
+
+    lookup_hashes = None  # type: ignore[assignment]
+    touch_hashes = None  # type: ignore[assignment]
+
+    def lookup_many(self, keys: Any) -> list[Status]:
+        return list(super().lookup_many(keys))[:-1]
+
+
+def short_tier_answers(factory: Factory, config: OffloadConfig) -> None:
+    """A1 on a tier that answers one status short, read by hash batches and by whole
+    keys: the lookup must raise ``BadReportError`` naming the call that broke the
+    contract: an engine's own tier with a bug in its batch read is told which one."""
+    n = 4 * unit_tokens(config)
+    cfg = small(config)
+    for tier, call in ((_ShortHashes, "lookup_hashes"), (_ShortKeys, "lookup_many")):
+        sched = factory(cfg, tier(list(cpu_capacities(cfg))), check=True)
+        sched.add_request(RequestInfo("a", n, _hashes(n // cfg.hash_block_tokens)))
+        raised: BaseException | None = None
+        try:
+            sched.lookup("a", 0, n)
+        except Exception as exc:  # judged below: which class, which call it names
+            raised = exc
+        assert_true(isinstance(raised, BadReportError) and call in str(raised),
+                    f"a tier whose {call} answers one status short: the lookup raised "
+                    f"{type(raised).__name__ if raised else 'nothing'} ({raised}), not a "
+                    f"BadReportError naming {call}", "A1")
+
+
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
     reset_with_a_finished_request_storing,
@@ -700,6 +738,7 @@ SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     failed_load_in_lock_step,
     scheduled_and_preempted,
     lookup_beside_another_load,
+    short_tier_answers,
 )
 
 

@@ -786,3 +786,19 @@ def test_a_rare_twin_is_not_starved_by_the_limit(monkeypatch: pytest.MonkeyPatch
     _check.run_sims(preset("gpt-oss"), 6, result, preset="gpt-oss", hostile=True)
     assert result.failure is not None and result.failure.ids in (["A1"], ["L1"]), \
         result.failure
+
+
+def test_a_short_tier_answer_must_name_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant (held-out seed-58 m05): the error for a tier that answers one status short
+    names the other batch call (``is not None`` read as ``is``). No stage's tier ever
+    answered short; the directed scenario's tiers do, one per read path (A1)."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore import _scenarios
+    from kvcore.scheduler._lookup import StatusReader
+    monkeypatch.setattr(StatusReader, "_fetch", mutated(
+        StatusReader._fetch, '"lookup_hashes" if self._by_hash is not None',
+        '"lookup_hashes" if self._by_hash is None'))
+    with pytest.raises(_scenarios.ScenarioFailure, match="not a BadReportError") as info:
+        _scenarios.short_tier_answers(OffloadScheduler, preset(DEFAULT))
+    assert info.value.id == "A1"
