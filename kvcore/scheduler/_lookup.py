@@ -74,7 +74,7 @@ class StatusReader:
     __slots__ = ("_by_hash", "_derived", "_keys", "_many", "blocks", "known", "pending")
 
     def __init__(self, keys: Sequence[GroupKeys], manager: Any, blocks: Sequence[int],
-                 by_hash: bool = False) -> None:
+                 by_hash: bool) -> None:
         self._keys = keys
         self.blocks = blocks  # per group, the keys read per call (READ_BLOCK, FULL_READ_BLOCK)
         many = getattr(manager, "lookup_many", None)
