@@ -110,8 +110,10 @@ def _describe(rec: ErrorRecord, roles: tuple[str, str]) -> str:
 
 def make_error(rec: ErrorRecord, *, num_descs: int, context: str = "",
                roles: tuple[str, str] = _ROLE_DEFAULT, job_id: int | None = None,
-               group: int | None = None) -> KVCopyError:
-    """Build the KVCopyError for a failed status: what is wrong, the value and its bound."""
+               group: int | None = None, native: bool = False) -> KVCopyError:
+    """Build the KVCopyError for a failed status: what is wrong, the value and its bound.
+    Python's own range checks build theirs here too, so both read the same; ``native``
+    says which one refused (the C funnel below sets it)."""
     where = f" ({context})" if context else ""
     if rec.side == Side.REGION:
         head = f"region {rec.index}{where}: {status_text(rec.status)} " \
@@ -128,7 +130,7 @@ def make_error(rec: ErrorRecord, *, num_descs: int, context: str = "",
     return KVCopyError(head + tail, code=rec.status,
                        descriptor_index=None if region else rec.index, job_id=job_id,
                        group=group, value=rec.value, bound=rec.bound, side=rec.side,
-                       region_index=rec.index if region else None)
+                       region_index=rec.index if region else None, native=native)
 
 
 def raise_for_status(status: int, err: Any, *, num_descs: int, context: str = "",
@@ -149,7 +151,7 @@ def raise_for_status(status: int, err: Any, *, num_descs: int, context: str = ""
         group = group_of(rec.index)
         context = f"{context}, group {group}" if context else f"group {group}"
     raise make_error(rec, num_descs=num_descs, context=context, roles=roles, job_id=job_id,
-                     group=group)
+                     group=group, native=True)
 
 
 def _check_int(name: str, value: object) -> int:

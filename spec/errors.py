@@ -44,6 +44,9 @@ class KVCopyError(KVCoreError, RuntimeError):
     descriptor, ``code`` the native status code, ``value`` and ``bound`` the offending number
     and the limit it broke (when known). ``side`` says which side of the descriptor (1
     source, 2 destination) or 3 for a region, whose index is then ``region_index``.
+    ``native`` is True when the C library's own validator refused (its last line of
+    defence, which holds even where a Python check was skipped), False when kvcore's
+    Python checks refused first: the fields are the same either way.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class KVCopyError(KVCoreError, RuntimeError):
         bound: int | None = None,
         side: int | None = None,
         region_index: int | None = None,
+        native: bool = False,
     ) -> None:
         self.code = code
+        self.native = native
         self.descriptor_index = descriptor_index
         self.job_id = job_id
         self.group = group

@@ -87,6 +87,20 @@ def test_a_manager_short_of_a_pool_is_caught(monkeypatch: pytest.MonkeyPatch) ->
         "A1", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
 
 
+def test_a_c_validator_run_through_the_python_checks_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant (held-out seed-57 m09): ``_validate_in_c`` builds its table with the Python
+    id checks after all, so the comparison of the C validator with Python compares
+    Python with itself. Both refusals carry the same fields by design; ``native`` tells
+    them apart."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_engine.TransferEngine, "_validate_in_c", mutated(
+        _engine.TransferEngine._validate_in_c, "check_ranges=False", "check_ranges=True"))
+    assert "not the C validator" in caught("A1", lambda: _enginecheck.run_transfer_engine(
+        preset(DEFAULT), _enginecheck.ENGINE_CASES, {}))
+
+
 @pytest.mark.parametrize("read", ["policy_of", "capacity_of"])
 def test_a_tier_read_that_refuses_a_group_is_named(monkeypatch: pytest.MonkeyPatch,
                                                    read: str) -> None:
