@@ -781,19 +781,15 @@ class OffloadScheduler:
 
         The hashes are read from the engine's own sequence, not from the chain the keys
         are derived through, so a chain that answers a wrong hash (a prompt's or one added
-        later, in any of its parts) makes a key another (group, hash) also names; the
-        chunk before the new ones comes along, as the key such a slip repeats most
-        often. The group is the one that asked, not decoded from the key: decoding makes
-        equal keys name the same (group, hash), so two groups sharing a key could never
-        be seen."""
+        later, in any of its parts) makes a key that is not its (group, hash)'s. The group
+        is the one that asked, not decoded from the key: decoding makes equal keys name
+        the same (group, hash), so two groups sharing a key could never be seen."""
         triples: list[tuple[int, bytes, Key]] = []
         for group, keys in enumerate(req.keys):
             hpc = self.config.hashes_per_chunk(group)
             new, end = first // hpc, len(keys)  # chunk new is the first ending at >= first
             if new >= end:
                 continue
-            if new:
-                triples.append((group, req.hashes[new * hpc - 1], keys[new - 1]))
             ends = islice(given, (new + 1) * hpc - 1 - first, None, hpc)
             triples.extend((group, h, k) for h, k in zip(ends, keys[new:end], strict=True))
         self._enforce([KeyRecord(tuple(triples))])

@@ -114,6 +114,10 @@ class Simulator:
                  check: bool = True, device: str = "cpu",
                  scheduler_factory: Any = None) -> None:
         self.options = opts = options.drawn()
+        if opts.lockstep and opts.hostile:
+            raise ValueError("lockstep=True with hostile=True: the bad twins would reach the "
+                             "reference model, which is not built to bounce them; run each "
+                             "on its own, as kvcore check's refinement and bad-calls stages do")
         overrides: dict[str, Any] = {"num_workers": opts.num_workers}
         if opts.prompt_only:
             overrides["prompt_only"] = True
@@ -146,10 +150,6 @@ class Simulator:
         self.checked: dict[str, int] = {}
         factory = scheduler_factory or OffloadScheduler
         self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
-        if opts.lockstep and opts.hostile:
-            raise ValueError("lockstep=True with hostile=True: the bad twins would reach the "
-                             "reference model, which is not built to bounce them; run each "
-                             "on its own, as kvcore check's refinement and bad-calls stages do")
         if opts.lockstep:
             if policy != "lru":
                 raise ValueError(f"lockstep=True needs policy='lru', got {policy!r}: the "
