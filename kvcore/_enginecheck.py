@@ -63,6 +63,7 @@ from kvcore.spec.types import Key, OffloadConfig, make_key
 from kvcore.spec.types import Status as KeyStatus
 from kvcore.transfer import TransferEngine, TransferResult, cpu_capacity
 from kvcore.transfer._results import MAX_IN_FLIGHT
+from kvcore.transfer._stream import SimulatedStream
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
 CPU_SLOTS = 6
@@ -468,6 +469,8 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
         _accessors(bench)
         _wait_limits(bench)
         _wait_ids(bench)
+        if stream:
+            _held_job(bench, _valid_plan(rng, 2 * cases + 1, bench.config, bench.caps))
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
         bench.run(*tail, close=True)
@@ -501,6 +504,68 @@ def _wait_ids(bench: _Bench) -> None:
     for bad in ("12", 5, None, [1, "2"], [1.0], (True,)):
         _refused(bench, f"wait({bad!r})", partial(bench.engine.wait, bad),  # type: ignore[arg-type]
                  "wait(job_ids)")
+
+
+class _Gate:
+    """The stand-in stream with its events held: while closed, no event passes and a wait
+    for one blocks (bounded by ``JOB_SECONDS``), so a submitted job stays in flight for as
+    long as the check needs, whatever the worker thread's timing. Everything else goes to
+    the stream itself."""
+
+    def __init__(self, stream: SimulatedStream) -> None:
+        self.stream = stream
+        self.opened = threading.Event()
+
+    def event_done(self, event: int) -> bool:
+        return self.opened.is_set() and self.stream.event_done(event)
+
+    def event_synchronize(self, event: int) -> None:
+        self.opened.wait(JOB_SECONDS)
+        self.stream.event_synchronize(event)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _held_job(bench: _Bench, plan: TransferPlan) -> None:
+    """A job the stand-in stream holds in flight: its id submitted again is refused
+    naming ``plan.job_id`` (two jobs under one id: the first result would settle the
+    second's job and free slots whose bytes are still moving); ``in_flight()`` lists it;
+    a ``wait`` with a short limit raises TimeoutError rather than answering as if it had
+    finished. Once the stream goes on, the job is carried out whole (X2). Without the
+    hold these ran only when the worker happened to be slower than the next call."""
+    engine, job = bench.engine, plan.job_id
+    stream = engine._cuda
+    if not isinstance(stream, SimulatedStream):
+        return
+    gate = _Gate(stream)
+    engine._cuda = gate  # type: ignore[assignment]
+    try:
+        _valid(f"submit: valid plan {job}, held in flight", partial(engine.submit, plan),
+               bench.checked)
+        _refused(bench, f"submit: job {job} again while it is in flight",
+                 partial(engine.submit, plan), "plan.job_id")
+        listed = engine.in_flight()
+        enforce([SetupRecord(f"in_flight() while job {job} is held",
+                             None if listed == [job] else f"answered {listed}")],
+                bench.checked)
+        answer: object = None
+        try:
+            answer = engine.wait([job], timeout=0.05)
+        except TimeoutError:
+            answer = TimeoutError
+        enforce([SetupRecord(f"wait([{job}], timeout=0.05) while it is held",
+                             None if answer is TimeoutError else
+                             f"returned {answer!r} instead of raising TimeoutError")],
+                bench.checked)
+    finally:
+        gate.opened.set()
+        engine._cuda = stream
+    planned = bench.model.apply(plan, bench.bpc)
+    (result,) = bench._finished(job)
+    wrong = bench.model.differs(bench.engine, bench.gpu)
+    enforce([TransferOutcomeRecord(job, planned, result.success, result.bytes, result.error,
+                                   wrong)], bench.checked)
 
 
 def _after_close(bench: _Bench, plan: TransferPlan) -> None:

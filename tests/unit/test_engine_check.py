@@ -551,3 +551,31 @@ def test_an_empty_touch_that_is_refused_is_caught(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(CPUOffloadManager, "touch", touch)
     assert "touch([]): a valid call refused" in caught(
         "X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def _transfer_stage() -> None:
+    _enginecheck.run_transfer_engine(preset(DEFAULT), _enginecheck.ENGINE_CASES, {})
+
+
+def test_a_job_id_taken_twice_while_in_flight_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``submit``'s in-flight id test removed (``if False:``), so a second job
+    under a live id is queued and the first result settles both. Before the stand-in
+    stream held a job, no stage of ``kvcore check`` executed this refusal at all."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_engine.TransferEngine, "submit", mutated(
+        _engine.TransferEngine.submit, "if plan.job_id in self._pending:", "if False:"))
+    assert "again while it is in flight" in caught("A1", _transfer_stage)
+
+
+def test_a_wait_that_answers_before_its_jobs_finish_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``wait`` answers when its limit runs out instead of raising TimeoutError
+    (the fence a wait stands for would pass with the store's bytes still moving)."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_engine.TransferEngine, "wait", mutated(
+        _engine.TransferEngine.wait, "lambda: not ids & self._pending, timeout):",
+        "lambda: not ids & self._pending, timeout) and False:"))
+    assert "instead of raising TimeoutError" in caught("X2", _transfer_stage)
