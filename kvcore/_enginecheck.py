@@ -470,7 +470,7 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
         _wait_limits(bench)
         _wait_ids(bench)
         if stream:
-            _held_job(bench, _valid_plan(rng, 2 * cases + 1, bench.config, bench.caps))
+            _held_job(bench, rng, 2 * cases + 1)
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
         bench.run(*tail, close=True)
@@ -509,17 +509,20 @@ def _wait_ids(bench: _Bench) -> None:
 class _Gate:
     """The stand-in stream with its events held: while closed, no event passes and a wait
     for one blocks (bounded by ``JOB_SECONDS``), so a submitted job stays in flight for as
-    long as the check needs, whatever the worker thread's timing. Everything else goes to
-    the stream itself."""
+    long as the check needs, whatever the worker thread's timing. ``waiting`` is set once
+    the worker waits on a held event: it has taken every job queued so far and takes the
+    next one only after the gate opens. Everything else goes to the stream itself."""
 
     def __init__(self, stream: SimulatedStream) -> None:
         self.stream = stream
         self.opened = threading.Event()
+        self.waiting = threading.Event()
 
     def event_done(self, event: int) -> bool:
         return self.opened.is_set() and self.stream.event_done(event)
 
     def event_synchronize(self, event: int) -> None:
+        self.waiting.set()
         self.opened.wait(JOB_SECONDS)
         self.stream.event_synchronize(event)
 
@@ -527,18 +530,31 @@ class _Gate:
         return getattr(self.stream, name)
 
 
-def _held_job(bench: _Bench, plan: TransferPlan) -> None:
-    """A job the stand-in stream holds in flight: its id submitted again is refused
-    naming ``plan.job_id`` (two jobs under one id: the first result would settle the
-    second's job and free slots whose bytes are still moving); ``in_flight()`` lists it;
-    a ``wait`` with a short limit raises TimeoutError rather than answering as if it had
-    finished. Once the stream goes on, the job is carried out whole (X2). Without the
-    hold these ran only when the worker happened to be slower than the next call."""
-    engine, job = bench.engine, plan.job_id
+def _held_job(bench: _Bench, rng: random.Random, job: int) -> None:
+    """A job the stand-in stream holds in flight (on every group but the last): its id
+    submitted again is refused naming ``plan.job_id`` (two jobs under one id: the first
+    result would settle the second's job and free slots whose bytes are still moving);
+    ``in_flight()`` lists it; a ``wait`` with a short limit raises TimeoutError rather
+    than answering as if it had finished. Behind it, a job on the last group is queued
+    and then that group's pool is freed in place: the worker must look at the pools
+    again before its copy and fail the job, nothing copied, saying what ``validate``
+    says now (the copy would read freed memory). Once the stream goes on, the held job is
+    carried out whole (X2). Without the hold these ran only when the worker happened to
+    be slower than the next call, or never."""
+    engine, cfg, last = bench.engine, bench.config, len(bench.gpu) - 1
     stream = engine._cuda
     if not isinstance(stream, SimulatedStream):
         return
-    gate = _Gate(stream)
+    plan = _valid_plan(rng, job, cfg, bench.caps)
+    if last:
+        plan = replace(plan, groups=(*plan.groups[:last], GroupTransfer()))
+    behind = _valid_plan(rng, job + 1, cfg, bench.caps)
+    while not behind.groups[last].gpu_block_ids:
+        behind = _valid_plan(rng, job + 1, cfg, bench.caps)
+    # A store: a worker that copies anyway reads the freed pool, never writes into it.
+    behind = replace(behind, kind=JobKind.STORE, groups=tuple(
+        gt if g == last else GroupTransfer() for g, gt in enumerate(behind.groups)))
+    gate, fresh, refusal = _Gate(stream), bench.gpu, None
     engine._cuda = gate  # type: ignore[assignment]
     try:
         _valid(f"submit: valid plan {job}, held in flight", partial(engine.submit, plan),
@@ -558,12 +574,33 @@ def _held_job(bench: _Bench, plan: TransferPlan) -> None:
                              None if answer is TimeoutError else
                              f"returned {answer!r} instead of raising TimeoutError")],
                 bench.checked)
+        if last and gate.waiting.wait(JOB_SECONDS):
+            _valid(f"submit: valid plan {job + 1} behind the held one",
+                   partial(engine.submit, behind), bench.checked)
+            fresh = [[t.clone() if g == last else t for t in ts]
+                     for g, ts in enumerate(bench.gpu)]
+            bench.gpu[last][0].untyped_storage().resize_(0)  # freed while queued
+            try:
+                engine.validate(behind)
+                refusal = "validate accepted it"
+            except Exception as exc:  # judged below, through the job's result
+                refusal = str(exc)
     finally:
         gate.opened.set()
         engine._cuda = stream
     planned = bench.model.apply(plan, bench.bpc)
-    (result,) = bench._finished(job)
-    wrong = bench.model.differs(bench.engine, bench.gpu)
+    if refusal is None:
+        (result,) = bench._finished(job)
+    else:  # both at once: _finished takes every other result off the poll queue
+        result, queued = bench._finished(job, job + 1)
+        why = _failed_job(queued, refusal)
+        enforce([BadCallRecord("submit: a pool freed after its job was queued",
+                               None if queued.success else "a failed job", True, False, why)],
+                bench.checked)
+        _valid("rebind_gpu_tensors: the freed pool replaced",
+               partial(engine.rebind_gpu_tensors, fresh), bench.checked)
+        bench.gpu = fresh
+    wrong = bench.model.differs(engine, bench.gpu)
     enforce([TransferOutcomeRecord(job, planned, result.success, result.bytes, result.error,
                                    wrong)], bench.checked)
 

@@ -579,3 +579,30 @@ def test_a_wait_that_answers_before_its_jobs_finish_is_caught(
         _engine.TransferEngine.wait, "lambda: not ids & self._pending, timeout):",
         "lambda: not ids & self._pending, timeout) and False:"))
     assert "instead of raising TimeoutError" in caught("X2", _transfer_stage)
+
+
+def test_a_worker_that_does_not_look_at_the_pools_again_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the worker's second pool check before the copy removed (``if False:``), so
+    a job queued before its pool was freed copies from freed memory. The stand-in pass
+    holds one job in flight, queues a store behind it and frees that store's pool. Here
+    the copy of that one job is skipped (the mutant would read freed memory), so the
+    test sees what the check sees: a job that succeeded and moved bytes."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore import _native
+
+    behind = 2 * (_enginecheck.ENGINE_CASES * 2 // 8) + 2  # the stand-in pass's held job + 1
+    real, skipped = _native.copy, []
+
+    def copy(regions: Any, descs: Any, **funnel: Any) -> Any:
+        if funnel.get("job_id") == behind:
+            skipped.append(behind)
+            return None
+        return real(regions, descs, **funnel)
+
+    monkeypatch.setattr(_native, "copy", copy)
+    monkeypatch.setattr(_engine.TransferEngine, "_execute", mutated(
+        _engine.TransferEngine._execute, "if failure is not None:", "if False:"))
+    assert "a pool freed after its job was queued" in caught("A1", _transfer_stage)
+    assert skipped == [behind]
