@@ -721,7 +721,8 @@ def _failed_job(result: TransferResult, refusal: str | None) -> str:
 
 def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
     """Bad rebinds change nothing (the next plan still copies the old pools); a pool freed
-    in place is refused (E_STORAGE); a good rebind to fresh pools works."""
+    in place, or pointed at new memory, is refused (E_STORAGE); a good rebind to fresh
+    pools works."""
     g = rng.randrange(len(bench.gpu))
     _bad_rebinds(bench, g)
     plan = _valid_plan(rng, job, bench.config, bench.caps)
@@ -732,7 +733,15 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
     only_g = tuple(gt if h == g else GroupTransfer() for h, gt in enumerate(plan.groups))
     _valid(f"drain(timeout={JOB_SECONDS:.0f})", partial(bench.engine.drain, timeout=JOB_SECONDS),
            bench.checked)
-    bench.gpu[g][0].untyped_storage().resize_(0)  # what a sleep mode does to a pool
+    pool = bench.gpu[g][0]
+    # Every other time the pool is not freed but pointed at new memory (``set_``): its
+    # storage object is the registered one, only the tensor's address tells, and a copy to
+    # the old address would land where the tensor no longer reads.
+    how = "pointed elsewhere" if job // 40 % 2 else "freed in place"
+    if how == "freed in place":
+        pool.untyped_storage().resize_(0)  # what a sleep mode does to a pool
+    else:
+        pool.set_(pool.clone())
     raised: BaseException | None = None
     try:
         bench.engine.validate(replace(plan, groups=only_g))
@@ -740,7 +749,7 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
         raised = exc
     # Not ``bench.record``: comparing the pools would read the freed one.
     wrong = _mismatch(raised, {"code": Status.E_STORAGE, "group": g})
-    enforce([BadCallRecord("validate: a pool freed in place", _name(raised),
+    enforce([BadCallRecord(f"validate: a pool {how}", _name(raised),
                            isinstance(raised, KVCoreError), False, wrong)], bench.checked)
     # Through submit the same plan ends as a failed job that moved nothing and says what
     # validate said.
@@ -749,7 +758,7 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
            bench.checked)
     (result,) = bench._finished(plan.job_id)
     why = _failed_job(result, None if raised is None else str(raised))
-    enforce([BadCallRecord("submit: a pool freed in place", None if result.success
+    enforce([BadCallRecord(f"submit: a pool {how}", None if result.success
                            else "a failed job", True, False, why)], bench.checked)
     if len(bench.gpu) > 1:
         # The freed pool is group g's alone: a plan that leaves group g out is still valid.

@@ -606,3 +606,15 @@ def test_a_worker_that_does_not_look_at_the_pools_again_is_caught(
         _engine.TransferEngine._execute, "if failure is not None:", "if False:"))
     assert "a pool freed after its job was queued" in caught("A1", _transfer_stage)
     assert skipped == [behind]
+
+
+def test_a_pool_pointed_at_new_memory_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``_Pool.changed`` looks at the storage alone (its address test of the
+    tensor removed), so a pool re-pointed with ``set_`` is copied at its old address,
+    where the tensor no longer reads: wrong bytes served, no error. No stage re-pointed a
+    pool before; the rebinds now alternate between freeing one and re-pointing it."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_memory._Pool, "changed", mutated(
+        _memory._Pool.changed, "if self.tensor.data_ptr() != self.base:", "if False:"))
+    assert "a pool pointed elsewhere: accepted" in caught("A1", _transfer_stage)
