@@ -741,7 +741,8 @@ def _rebinds(bench: _Bench, rng: random.Random, job: int) -> None:
     if how == "freed in place":
         pool.untyped_storage().resize_(0)  # what a sleep mode does to a pool
     else:
-        pool.set_(pool.clone())
+        twin = pool.clone()
+        pool.set_(twin.untyped_storage(), twin.storage_offset(), twin.shape, twin.stride())
     raised: BaseException | None = None
     try:
         bench.engine.validate(replace(plan, groups=only_g))
