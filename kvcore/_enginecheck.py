@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import partial
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -474,6 +474,9 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
         tail = [_valid_plan(rng, 3 * cases + i, bench.config, bench.caps)
                 for i in range(1, (MAX_IN_FLIGHT + 3 if stream else 2) + 1)]
         bench.run(*tail, close=True)
+        if stream:
+            _events_released(bench.engine, "the stage's engine", bench.checked)
+            _held_close(bench, rng, 4 * cases + 1)
         _after_close(bench, _valid_plan(rng, 4 * cases, bench.config, bench.caps))
     except BaseException:
         with contextlib.suppress(Exception):  # failing already: nothing may hide that
@@ -603,6 +606,62 @@ def _held_job(bench: _Bench, rng: random.Random, job: int) -> None:
     wrong = bench.model.differs(engine, bench.gpu)
     enforce([TransferOutcomeRecord(job, planned, result.success, result.bytes, result.error,
                                    wrong)], bench.checked)
+
+
+def _events_released(engine: TransferEngine, which: str, checked: dict[str, int]) -> None:
+    """Once an engine on the stand-in stream has closed, every event it created is
+    destroyed (on CUDA a leaked event outlives the engine)."""
+    stream = engine._cuda
+    live = stream.live_events() if isinstance(stream, SimulatedStream) else 0
+    enforce([SetupRecord(f"close() of {which}: its events destroyed",
+                         None if live == 0 else f"{live} events still alive")], checked)
+
+
+def _held_close(bench: _Bench, rng: random.Random, job: int) -> None:
+    """``close(timeout)`` on an engine whose job the stand-in stream holds: TimeoutError
+    naming the limit, not a hang and not a silent return with the worker still running;
+    the engine takes no submit from then on; once the job can finish, a second
+    ``close()`` finishes it (reported, successful) and destroys its events. A second
+    engine on the stage's pools, so the stage's own engine is left as it was; the job is
+    a store, which writes only into this engine's own tier."""
+    engine = _valid("TransferEngine: the stage's pools, a second engine on the stand-in "
+                    "stream", lambda: TransferEngine(bench.config, bench.gpu,
+                                                     simulate_stream=job), bench.checked)
+    stream = cast(SimulatedStream, engine._cuda)  # simulate_stream was given
+    plan = replace(_valid_plan(rng, job, bench.config, bench.caps), kind=JobKind.STORE)
+    gate = _Gate(stream)
+    engine._cuda = gate  # type: ignore[assignment]
+    try:
+        _valid(f"submit: valid plan {job}, held in flight", partial(engine.submit, plan),
+               bench.checked)
+        answer: object = None
+        try:
+            engine.close(timeout=0.05)
+        except TimeoutError as exc:
+            answer = exc
+        enforce([SetupRecord(f"close(timeout=0.05) while job {job} is held",
+                             None if isinstance(answer, TimeoutError) else
+                             "returned with the worker still running instead of raising "
+                             "TimeoutError")], bench.checked)
+        refused: BaseException | None = None
+        try:
+            engine.submit(replace(plan, job_id=job + 1))
+        except Exception as exc:  # judged by the record
+            refused = exc
+        enforce([BadCallRecord("submit after a close() that timed out", _name(refused),
+                               isinstance(refused, KVCoreError), False,
+                               _named(refused, "TransferEngine.submit"))], bench.checked)
+    finally:
+        gate.opened.set()
+        engine._cuda = stream
+        with contextlib.suppress(Exception):  # judged below
+            engine.close(timeout=JOB_SECONDS)
+    done = engine.poll()
+    enforce([SetupRecord(f"close() once job {job} could finish",
+                         None if [(r.job_id, r.success) for r in done] == [(job, True)]
+                         else f"reported {[(r.job_id, r.success) for r in done]}")],
+            bench.checked)
+    _events_released(engine, "a second engine, closed after a timeout", bench.checked)
 
 
 def _after_close(bench: _Bench, plan: TransferPlan) -> None:

@@ -618,3 +618,24 @@ def test_a_pool_pointed_at_new_memory_is_caught(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(_memory._Pool, "changed", mutated(
         _memory._Pool.changed, "if self.tensor.data_ptr() != self.base:", "if False:"))
     assert "a pool pointed elsewhere: accepted" in caught("A1", _transfer_stage)
+
+
+def test_a_close_that_returns_before_its_worker_stops_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``close`` returns when its limit runs out with the worker still running
+    (its TimeoutError removed), so the caller frees pools a copy is still reading."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_engine.TransferEngine, "close", mutated(
+        _engine.TransferEngine.close, "if self._thread.is_alive():", "if False:"))
+    assert "instead of raising TimeoutError" in caught("X2", _transfer_stage)
+
+
+def test_a_close_that_keeps_its_events_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``close`` releases the stream without destroying its events (on CUDA they
+    outlive the engine)."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_engine.TransferEngine, "close", mutated(
+        _engine.TransferEngine.close, "self._cuda.event_destroy(event)", "pass"))
+    assert "events still alive" in caught("X2", _transfer_stage)
