@@ -63,7 +63,7 @@ from kvcore.spec.types import Key, OffloadConfig, make_key
 from kvcore.spec.types import Status as KeyStatus
 from kvcore.transfer import TransferEngine, TransferResult, cpu_capacity
 from kvcore.transfer._results import MAX_IN_FLIGHT
-from kvcore.transfer._stream import SimulatedStream
+from kvcore.transfer._stream import MAX_EVENTS, SimulatedStream, StreamMisuse
 
 # Pools of the stage: few blocks, so a plan's ids often meet the edges of the pool.
 CPU_SLOTS = 6
@@ -1403,10 +1403,49 @@ def _canary() -> None:
                                         "stage's figures mean anything")])
 
 
+def _stream_canary() -> None:
+    """The stand-in stream's misuse detectors must bite: they stand in for the CUDA
+    driver's refusals (and for what it would silently get wrong), and a detector that
+    never fires would pass an engine that misuses events on every machine without a GPU.
+    Each misuse below must raise StreamMisuse; X2 otherwise."""
+    stream = SimulatedStream(0)
+    events = [stream.event_create() for _ in range(MAX_EVENTS)]
+    gone = events.pop()
+    stream.event_destroy(gone)
+    stream.event_record(events[0], 0)
+
+    def misuse(what: str, call: Callable[[], object]) -> str | None:
+        try:
+            call()
+        except StreamMisuse:
+            return None
+        return f"the stand-in stream took {what}"
+
+    problems = [
+        misuse("one more event than it holds", lambda: [stream.event_create(),
+                                                         stream.event_create()]),
+        misuse("an event recorded again while pending",
+               partial(stream.event_record, events[0], 0)),
+        misuse("a query of a destroyed event", partial(stream.event_done, gone)),
+        misuse("a wait for a destroyed event", partial(stream.event_synchronize, gone)),
+        misuse("a record of an event never created",
+               partial(stream.event_record, MAX_EVENTS + 7, 0)),
+    ]
+    stream.event_synchronize(events[0])
+    if not stream.event_done(events[0]):
+        problems.append("the stand-in stream left a waited-for event pending")
+    found = [p for p in problems if p is not None]
+    if found:
+        raise InvariantViolation([Violation("X2", f"{p}: its misuse detectors are off, so "
+                                            "the stand-in pass cannot see an engine misuse "
+                                            "events") for p in found])
+
+
 def run_setup(config: OffloadConfig, checked: dict[str, int]) -> None:
     """The "set-up" stage: every constructor twin must raise a kvcore error naming the
     argument, and leave no thread behind (A1). It starts with the canary (``_canary``)."""
     _canary()
+    _stream_canary()
     cfg = _layout(config)
     gpu = _tensors(cfg, random.Random("setup"))
     tier_bytes = _valid_setups(config, cfg, gpu, checked)

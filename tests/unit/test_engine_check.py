@@ -639,3 +639,22 @@ def test_a_close_that_keeps_its_events_is_caught(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_engine.TransferEngine, "close", mutated(
         _engine.TransferEngine.close, "self._cuda.event_destroy(event)", "pass"))
     assert "events still alive" in caught("X2", _transfer_stage)
+
+
+@pytest.mark.parametrize(("method", "old", "new"), [
+    ("event_create", "if len(self._live) >= MAX_EVENTS:", "if len(self._live) > MAX_EVENTS:"),
+    ("event_record", "if event in self._pending:", "if False:"),
+    ("_known", "if event not in self._live:", "if False:"),
+])
+def test_a_stand_in_detector_that_does_not_bite_is_caught(
+        monkeypatch: pytest.MonkeyPatch, method: str, old: str, new: str) -> None:
+    """Mutants of the stand-in stream's misuse detectors: each passed every engine that
+    uses events correctly, so only the set-up stage's stream canary can see them."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.transfer import _stream
+
+    cls = _stream.SimulatedStream
+    monkeypatch.setattr(cls, method, mutated(getattr(cls, method), old, new))
+    assert "misuse detectors are off" in caught(
+        "X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
