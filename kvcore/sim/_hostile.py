@@ -63,6 +63,10 @@ class Hostile:
         # The job ids after_alloc queued since the last build_step: until that step hands
         # them to the workers, a report for one or a reset must be refused.
         self.queued: list[int] = []
+        # The length of the hashes the scheduler has taken so far (read from the calls
+        # that went through, not from the scheduler): once set, hashes of another length
+        # must be refused (HashError) however consistent they are among themselves.
+        self.hash_len: int | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.impl, name)
@@ -190,8 +194,16 @@ class Hostile:
         if tracked:
             twins.append(("add_request: a tracked id", lambda: s.add_request(
                 replace(info, request_id=tracked[0]))))
+        if info.block_hashes and self.hash_len is not None:
+            longer = tuple(h + b"\0" for h in info.block_hashes)
+            twins.append(self._arg_twin(
+                "add_request: every hash one byte longer than the scheduler's",
+                "len(block_hashes[0])", lambda: s.add_request(replace(info,
+                                                                      block_hashes=longer)),
+                says=self.HASH_LENGTH))
         self._bounce(twins)
         s.add_request(info)
+        self._took(info.block_hashes)
         if info.skip_reading:
             self.skipping.add(info.request_id)
 
@@ -206,8 +218,22 @@ class Hostile:
         ]
         if hashes:
             twins += self._finished_twins("add_hashes", lambda rid: s.add_hashes(rid, hashes))
+            if self.hash_len is not None:
+                longer = [h + b"\0" for h in hashes]
+                twins.append(self._arg_twin(
+                    "add_hashes: every hash one byte longer than the scheduler's",
+                    "len(hashes[0])", lambda: s.add_hashes(request_id, longer),
+                    says=self.HASH_LENGTH))
         self._bounce(twins if hashes else [])
         s.add_hashes(request_id, hashes)
+        self._took(hashes)
+
+    # What a refusal of hashes of another length says (``_validate.hash_length``).
+    HASH_LENGTH = "the length of every hash this scheduler has seen"
+
+    def _took(self, hashes: Any) -> None:
+        if hashes and self.hash_len is None:
+            self.hash_len = len(hashes[0])
 
     def lookup(self, request_id: str, computed: int, num_tokens: int, **cap: Any) -> Any:
         s = self.impl
@@ -337,7 +363,10 @@ class Hostile:
     def build_step(self, step: StepInput) -> Any:
         self._bounce(self._step_twins(step))
         self.queued = []
-        return self.impl.build_step(step)
+        plan = self.impl.build_step(step)
+        for sr in step.requests:
+            self._took(sr.new_hashes)
+        return plan
 
     def _step_twins(self, step: StepInput) -> list[Twin]:
         s, reqs = self.impl, step.requests
@@ -399,6 +428,16 @@ class Hostile:
                 twins.append(("build_step: tables for one group too many", lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=(*ids, ids[g])),
                                             *reqs[1:])))))
+        # The first request with new hashes, each one byte longer than the scheduler's.
+        hashed = next((k for k, sr in enumerate(reqs) if sr.new_hashes), None)
+        if hashed is not None and self.hash_len is not None:
+            sr = reqs[hashed]
+            longer = replace(sr, new_hashes=tuple(h + b"\0" for h in sr.new_hashes))
+            twins.append(self._arg_twin(
+                "build_step: new hashes one byte longer than the scheduler's",
+                f"len({sr.request_id}.new_hashes[0])", lambda: s.build_step(replace(
+                    step, requests=(*reqs[:hashed], longer, *reqs[hashed + 1:]))),
+                says=self.HASH_LENGTH))
         # The first request with a FULL group's two new ids, that group's id repeated.
         found = next(((k, r) for k, sr in enumerate(reqs) if sr.new_block_ids
                       and (r := self._repeated(sr.new_block_ids)) is not None), None)

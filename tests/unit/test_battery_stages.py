@@ -802,3 +802,20 @@ def test_a_short_tier_answer_must_name_its_call(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(_scenarios.ScenarioFailure, match="not a BadReportError") as info:
         _scenarios.short_tier_answers(OffloadScheduler, preset(DEFAULT))
     assert info.value.id == "A1"
+
+
+def test_hashes_of_another_length_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``hash_length`` takes any length once one is fixed (its test ``if False:``),
+    so the hashes of a second hash function mix with the first's and no key of one ever
+    matches the other's. Every earlier twin changed one hash of a call, which the hook's
+    own length check refuses first; the bad-calls stage now makes every hash of a call
+    one byte longer (add_request, add_hashes, build_step)."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.scheduler import _validate
+    monkeypatch.setattr(_validate, "hash_length", mutated(
+        _validate.hash_length, "if current is not None and size != current:", "if False:"))
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 3, result, preset=DEFAULT, hostile=True)
+    assert result.failure is not None and result.failure.ids == ["A1"], result.failure
+    assert "one byte longer than the scheduler's" in result.failure.message
