@@ -245,6 +245,9 @@ class Hostile:
                                                               num_tokens)),
             ("lookup: bool tokens", lambda: s.lookup(request_id, computed, True)),
             ("lookup: bytes id", lambda: s.lookup(request_id.encode(), computed, num_tokens)),
+            # The queries take ids too: an unhashable one must be a kvcore error, not the
+            # dict's TypeError.
+            ("jobs_of: the id in a list", lambda: s.jobs_of([request_id])),
             ("lookup: negative max_tokens", lambda: s.lookup(request_id, computed, num_tokens,
                                                             max_tokens=-1)),
             ("lookup: float max_tokens", lambda: s.lookup(request_id, computed, num_tokens,

@@ -749,6 +749,7 @@ REFUSALS = [
      "build_step: tokens past its hashes"),
     ("_validate_reports", "if r.job_id in queued:", "a load after_alloc queued"),
     ("reset", "if self._queued_loads:", "reset: between after_alloc and build_step"),
+    ("_tracked", "if type(request_id) is not str:", "jobs_of: the id in a list"),
 ]
 
 
