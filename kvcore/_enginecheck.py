@@ -537,13 +537,13 @@ def _held_job(bench: _Bench, rng: random.Random, job: int) -> None:
     """A job the stand-in stream holds in flight (on every group but the last): its id
     submitted again is refused naming ``plan.job_id`` (two jobs under one id: the first
     result would settle the second's job and free slots whose bytes are still moving);
-    ``in_flight()`` lists it; a ``wait`` with a short limit raises TimeoutError rather
-    than answering as if it had finished. Behind it, a job on the last group is queued
-    and then that group's pool is freed in place: the worker must look at the pools
-    again before its copy and fail the job, nothing copied, saying what ``validate``
-    says now (the copy would read freed memory). Once the stream goes on, the held job is
-    carried out whole (X2). Without the hold these ran only when the worker happened to
-    be slower than the next call, or never."""
+    ``in_flight()`` lists it; a ``wait`` or a ``rebind_gpu_tensors`` with a short limit
+    raises TimeoutError rather than answering as if it had finished. Behind it, a job on
+    the last group is queued and then that group's pool is freed in place: the worker
+    must look at the pools again before its copy and fail the job, nothing copied,
+    saying what ``validate`` says now (the copy would read freed memory). Once the
+    stream goes on, the held job is carried out whole (X2). Without the hold these ran
+    only when the worker happened to be slower than the next call, or never."""
     engine, cfg, last = bench.engine, bench.config, len(bench.gpu) - 1
     stream = engine._cuda
     if not isinstance(stream, SimulatedStream):
@@ -576,6 +576,16 @@ def _held_job(bench: _Bench, rng: random.Random, job: int) -> None:
         enforce([SetupRecord(f"wait([{job}], timeout=0.05) while it is held",
                              None if answer is TimeoutError else
                              f"returned {answer!r} instead of raising TimeoutError")],
+                bench.checked)
+        answer = None
+        try:  # new pools, or the held copy's later reads and writes miss them
+            engine.rebind_gpu_tensors([[t.clone() for t in ts] for ts in bench.gpu],
+                                      timeout=0.05)
+        except TimeoutError:
+            answer = TimeoutError
+        enforce([SetupRecord(f"rebind_gpu_tensors(timeout=0.05) while job {job} is held",
+                             None if answer is TimeoutError else
+                             "rebound with a job in flight instead of raising TimeoutError")],
                 bench.checked)
         if last and gate.waiting.wait(JOB_SECONDS):
             _valid(f"submit: valid plan {job + 1} behind the held one",

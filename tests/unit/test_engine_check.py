@@ -658,3 +658,16 @@ def test_a_stand_in_detector_that_does_not_bite_is_caught(
     monkeypatch.setattr(cls, method, mutated(getattr(cls, method), old, new))
     assert "misuse detectors are off" in caught(
         "X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_rebind_that_does_not_wait_for_jobs_in_flight_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: ``rebind_gpu_tensors`` swaps the pools without waiting for the jobs in
+    flight (its wait test ``if False:``): a copy still running reads or writes pools the
+    engine has just handed back."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_engine.TransferEngine, "rebind_gpu_tensors", mutated(
+        _engine.TransferEngine.rebind_gpu_tensors,
+        "if not self._cond.wait_for(lambda: not self._pending, timeout):", "if False:"))
+    assert "rebound with a job in flight" in caught("X2", _transfer_stage)
