@@ -628,22 +628,29 @@ def _events_released(engine: TransferEngine, which: str, checked: dict[str, int]
 
 
 def _held_close(bench: _Bench, rng: random.Random, job: int) -> None:
-    """``close(timeout)`` on an engine whose job the stand-in stream holds: TimeoutError
-    naming the limit, not a hang and not a silent return with the worker still running;
-    the engine takes no submit from then on; once the job can finish, a second
-    ``close()`` finishes it (reported, successful) and destroys its events. A second
-    engine on the stage's pools, so the stage's own engine is left as it was; the job is
-    a store, which writes only into this engine's own tier."""
+    """``close(timeout)`` on an engine whose job the stand-in stream holds, with a second
+    job filling its queue (``max_queued_jobs=1``): TimeoutError, not a hang and not a
+    silent return with the worker still running, and the stop mark that found the queue
+    full is left to a thread of its own; the engine takes no submit from then on; once
+    the job can finish, a second ``close()`` finishes both (reported, successful) and
+    destroys every event. A second engine on the stage's pools, so the stage's own
+    engine is left as it was; the jobs are stores, which write only into this engine's
+    own tier."""
     engine = _valid("TransferEngine: the stage's pools, a second engine on the stand-in "
-                    "stream", lambda: TransferEngine(bench.config, bench.gpu,
-                                                     simulate_stream=job), bench.checked)
+                    "stream, max_queued_jobs=1",
+                    lambda: TransferEngine(bench.config, bench.gpu, simulate_stream=job,
+                                           max_queued_jobs=1), bench.checked)
     stream = cast(SimulatedStream, engine._cuda)  # simulate_stream was given
     plan = replace(_valid_plan(rng, job, bench.config, bench.caps), kind=JobKind.STORE)
+    queued = replace(plan, job_id=job + 2)
     gate = _Gate(stream)
     engine._cuda = gate  # type: ignore[assignment]
     try:
         _valid(f"submit: valid plan {job}, held in flight", partial(engine.submit, plan),
                bench.checked)
+        if gate.waiting.wait(JOB_SECONDS):  # the worker holds it: the queue is empty
+            _valid(f"submit: valid plan {job + 2}, filling the queue",
+                   partial(engine.submit, queued), bench.checked)
         answer: object = None
         try:
             engine.close(timeout=0.05)
@@ -666,11 +673,10 @@ def _held_close(bench: _Bench, rng: random.Random, job: int) -> None:
         engine._cuda = stream
         with contextlib.suppress(Exception):  # judged below
             engine.close(timeout=JOB_SECONDS)
-    done = engine.poll()
+    done = [(r.job_id, r.success) for r in engine.poll()]
     enforce([SetupRecord(f"close() once job {job} could finish",
-                         None if [(r.job_id, r.success) for r in done] == [(job, True)]
-                         else f"reported {[(r.job_id, r.success) for r in done]}")],
-            bench.checked)
+                         None if done == [(job, True), (job + 2, True)]
+                         else f"reported {done}")], bench.checked)
     _events_released(engine, "a second engine, closed after a timeout", bench.checked)
 
 

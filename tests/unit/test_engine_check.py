@@ -671,3 +671,18 @@ def test_a_rebind_that_does_not_wait_for_jobs_in_flight_is_caught(
         _engine.TransferEngine.rebind_gpu_tensors,
         "if not self._cond.wait_for(lambda: not self._pending, timeout):", "if False:"))
     assert "rebound with a job in flight" in caught("X2", _transfer_stage)
+
+
+def test_a_close_that_drops_its_stop_mark_on_a_full_queue_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: when ``close`` finds the queue full behind a stuck worker, the thread that
+    would post the stop mark is built but never started, so the worker waits on its
+    queue forever and every later ``close`` times out (the limit is shortened here: the
+    stage waits ``JOB_SECONDS`` for a close)."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_enginecheck, "JOB_SECONDS", 5.0)
+    monkeypatch.setattr(_engine.TransferEngine, "close", mutated(
+        _engine.TransferEngine.close, 'name="kvcore-transfer-stop").start()',
+        'name="kvcore-transfer-stop")'))
+    assert "events still alive" in caught("X2", _transfer_stage)
