@@ -477,6 +477,7 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
         if stream:
             _events_released(bench.engine, "the stage's engine", bench.checked)
             _held_close(bench, rng, 4 * cases + 1)
+            _dead_worker(bench, rng, 4 * cases + 5)
         _after_close(bench, _valid_plan(rng, 4 * cases, bench.config, bench.caps))
     except BaseException:
         with contextlib.suppress(Exception):  # failing already: nothing may hide that
@@ -520,6 +521,7 @@ class _Gate:
         self.stream = stream
         self.opened = threading.Event()
         self.waiting = threading.Event()
+        self.kill = False  # the worker dies at the held event once the gate opens
 
     def event_done(self, event: int) -> bool:
         return self.opened.is_set() and self.stream.event_done(event)
@@ -527,6 +529,10 @@ class _Gate:
     def event_synchronize(self, event: int) -> None:
         self.waiting.set()
         self.opened.wait(JOB_SECONDS)
+        if self.kill:
+            # What no ``except Exception`` catches: the worker thread ends here (quietly:
+            # threading's excepthook passes SystemExit over).
+            raise SystemExit("the check stopped the transfer worker")
         self.stream.event_synchronize(event)
 
     def __getattr__(self, name: str) -> Any:
@@ -678,6 +684,51 @@ def _held_close(bench: _Bench, rng: random.Random, job: int) -> None:
                          None if done == [(job, True), (job + 2, True)]
                          else f"reported {done}")], bench.checked)
     _events_released(engine, "a second engine, closed after a timeout", bench.checked)
+
+
+def _dead_worker(bench: _Bench, rng: random.Random, job: int) -> None:
+    """A worker thread that dies with a job in flight (an error no handler catches) must
+    still report it, failed with nothing moved, so that a ``wait`` for it returns
+    instead of hanging (and the fence it stands for fails the job rather than waiting
+    forever); the engine then still closes and destroys its events. A third engine on
+    the stage's pools; the job is a store into its own tier."""
+    engine = _valid("TransferEngine: the stage's pools, a third engine on the stand-in "
+                    "stream", lambda: TransferEngine(bench.config, bench.gpu,
+                                                     simulate_stream=job), bench.checked)
+    stream = cast(SimulatedStream, engine._cuda)  # simulate_stream was given
+    plan = replace(_valid_plan(rng, job, bench.config, bench.caps), kind=JobKind.STORE)
+    gate = _Gate(stream)
+    gate.kill = True
+    engine._cuda = gate  # type: ignore[assignment]
+    # The death is the check's own doing: its report (threading.excepthook; a test
+    # runner's hook reports even SystemExit) is left out for this one thread, until
+    # close() has joined it.
+    hook = threading.excepthook
+
+    def quiet(args: Any) -> None:
+        if args.thread is not engine._thread or args.exc_type is not SystemExit:
+            hook(args)
+
+    threading.excepthook = quiet
+    try:
+        _valid(f"submit: valid plan {job}, its worker to die", partial(engine.submit, plan),
+               bench.checked)
+        gate.waiting.wait(JOB_SECONDS)
+        gate.opened.set()
+        done = [(r.job_id, r.success, r.bytes, r.error)
+                for r in engine.wait([job], timeout=JOB_SECONDS)]
+        want = [(job, False, 0, "transfer worker stopped")]
+        problem = None if done == want else f"reported {done}, not {want}"
+    except TimeoutError:
+        problem = "no result: a wait for it would hang"
+    finally:
+        gate.opened.set()
+        engine._cuda = stream
+        with contextlib.suppress(Exception):  # judged below
+            engine.close(timeout=JOB_SECONDS)
+        threading.excepthook = hook
+    enforce([SetupRecord(f"job {job} when its worker died", problem)], bench.checked)
+    _events_released(engine, "a third engine, whose worker died", bench.checked)
 
 
 def _after_close(bench: _Bench, plan: TransferPlan) -> None:

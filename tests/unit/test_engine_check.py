@@ -686,3 +686,19 @@ def test_a_close_that_drops_its_stop_mark_on_a_full_queue_is_caught(
         _engine.TransferEngine.close, 'name="kvcore-transfer-stop").start()',
         'name="kvcore-transfer-stop")'))
     assert "events still alive" in caught("X2", _transfer_stage)
+
+
+def test_a_worker_that_dies_without_reporting_its_jobs_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the worker's last words are gone (its ``finally`` reports no job), so when
+    it dies with a job in flight, the job is dropped from the jobs in flight with no
+    result: a wait answers as if it had finished and the scheduler never hears of it.
+    The stage's third engine kills its worker at a held event (the limit is shortened
+    here, in case the mutant hangs instead)."""
+    from refinement.test_refinement_mutants import mutated
+
+    monkeypatch.setattr(_enginecheck, "JOB_SECONDS", 5.0)
+    monkeypatch.setattr(_engine.TransferEngine, "_worker", mutated(
+        _engine.TransferEngine._worker, "for job_id in sorted(self._pending):",
+        "for job_id in []:"))
+    assert "when its worker died" in caught("X2", _transfer_stage)
