@@ -138,17 +138,16 @@ class StatusReader:
         size, derived, keys = self.blocks[group], self._derived[group], self._keys[group]
         hi = min(hi, len(self.known[group]))
         out: list[bytes] = []
-        at = lo
-        while at < hi:
-            start = at - at % size
-            stop = min(start + size, hi)
+        # One pass per aligned block, by a range: no slip in the body can turn a lookup
+        # into a hang.
+        for start in range(lo - lo % size, hi, size) if lo < hi else ():
+            at, stop = max(lo, start), min(start + size, hi)
             block = derived.get(start)
             if block is not None:
                 out.extend(block[at - start:stop - start])
             else:
                 out.extend(keys.chunk_hashes(at, stop) if self._by_hash is not None
                            else keys[at:stop])
-            at = stop
         return out
 
 
@@ -181,19 +180,18 @@ class HitTest:
         if start < end and self._floor is not None and start < self._floor[group]:
             raise Smaller
         bad = [s for s in (Status.MISS, Status.PENDING) if s not in self._ok]
-        at, size = start, self._reader.blocks[group]
-        while at < end:
-            stop = min(at - at % size + size, end)
+        size = self._reader.blocks[group]
+        # One pass per aligned block, by a range (as ``items``).
+        for base in range(start - start % size, end, size) if start < end else ():
+            at, stop = max(start, base), min(base + size, end)
             statuses = self._reader.block(group, at, stop)
             if not mixed(statuses):  # one status throughout: the first says it all
                 if statuses[0] in bad:
                     return at
-                at = stop
                 continue
             found = [statuses.index(b) for b in bad if b in statuses]
             if found:
                 return at + min(found)
-            at = stop
         return None
 
 

@@ -820,3 +820,23 @@ def test_hashes_of_another_length_are_named(monkeypatch: pytest.MonkeyPatch) -> 
     _check.run_sims(preset(DEFAULT), 3, result, preset=DEFAULT, hostile=True)
     assert result.failure is not None and result.failure.ids == ["A1"], result.failure
     assert "one byte longer than the scheduler's" in result.failure.message
+
+
+@pytest.mark.parametrize(("owner", "method", "old", "new"), [
+    ("StatusReader", "items", "min(start + size, hi)", "min(start - size, hi)"),
+    ("HitTest", "first_miss", "min(base + size, end)", "min(base - size, end)"),
+])
+def test_a_block_walk_that_goes_backwards_is_named_not_a_hang(
+        monkeypatch: pytest.MonkeyPatch, owner: str, method: str, old: str, new: str) -> None:
+    """Held-out seed-60 m05: the lookup reader's block walk with its step reversed. As a
+    ``while at < hi`` loop that never advanced, ``kvcore check`` hung (a timeout names
+    nothing); walked by a range, the same slip reads short or wrong blocks and the lock
+    step names it (R1) in the directed stage."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.scheduler import _lookup
+    cls = getattr(_lookup, owner)
+    monkeypatch.setattr(cls, method, mutated(getattr(cls, method), old, new))
+    result = _check.BatteryResult()
+    _check.run_directed(preset(DEFAULT), result, preset=DEFAULT)
+    assert result.failure is not None and result.failure.ids == ["R1"], result.failure
