@@ -177,7 +177,7 @@ class RequestInfo:
         check_bool(where, "skip_reading", self.skip_reading)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ScheduledRequest:
     """One request's part of an engine step.
 
@@ -195,6 +195,23 @@ class ScheduledRequest:
     new_block_ids: tuple[tuple[int, ...], ...] = ()
     new_hashes: tuple[bytes, ...] = ()
     resumed: bool = False
+
+    def __init__(self, request_id: str, scheduled_tokens: int, computed_tokens: int,
+                 num_tokens: int, new_block_ids: tuple[tuple[int, ...], ...] = (),
+                 new_hashes: tuple[bytes, ...] = (), resumed: bool = False) -> None:
+        # The dataclass's own __init__ of a frozen class writes each field through
+        # object.__setattr__: 1.3 of the 2 us one cost, built for every running request
+        # of every step. The fields go straight into the instance dict instead (still
+        # frozen: assignment afterwards raises), then the same checks run.
+        fields = self.__dict__
+        fields["request_id"] = request_id
+        fields["scheduled_tokens"] = scheduled_tokens
+        fields["computed_tokens"] = computed_tokens
+        fields["num_tokens"] = num_tokens
+        fields["new_block_ids"] = new_block_ids
+        fields["new_hashes"] = new_hashes
+        fields["resumed"] = resumed
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         # Built for every scheduled request of every step: cheap checks first, the
