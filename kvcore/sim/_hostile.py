@@ -32,7 +32,7 @@ from kvcore.sim._snapshot import snapshot
 from kvcore.spec.errors import BlockIdError, InvariantViolation, KVCoreError
 from kvcore.spec.invariants import BadCallRecord
 from kvcore.spec.lookup import served_chunks as spec_served_chunks
-from kvcore.spec.types import GroupKind
+from kvcore.spec.types import MAX_HASH_BYTES, GroupKind
 
 Twin = tuple[str, Callable[[], object]]
 
@@ -194,7 +194,7 @@ class Hostile:
         if tracked:
             twins.append(("add_request: a tracked id", lambda: s.add_request(
                 replace(info, request_id=tracked[0]))))
-        if info.block_hashes and self.hash_len is not None:
+        if info.block_hashes and self._longer_hashes:
             longer = tuple(h + b"\0" for h in info.block_hashes)
             twins.append(self._arg_twin(
                 "add_request: every hash one byte longer than the scheduler's",
@@ -218,7 +218,7 @@ class Hostile:
         ]
         if hashes:
             twins += self._finished_twins("add_hashes", lambda rid: s.add_hashes(rid, hashes))
-            if self.hash_len is not None:
+            if self._longer_hashes:
                 longer = [h + b"\0" for h in hashes]
                 twins.append(self._arg_twin(
                     "add_hashes: every hash one byte longer than the scheduler's",
@@ -234,6 +234,13 @@ class Hostile:
     def _took(self, hashes: Any) -> None:
         if hashes and self.hash_len is None:
             self.hash_len = len(hashes[0])
+
+    @property
+    def _longer_hashes(self) -> bool:
+        """Whether the longer-hash twins apply: the scheduler has a hash length, and one
+        byte more is still a length a hook takes (at ``MAX_HASH_BYTES`` the hook's own
+        check would refuse it as too long, before the scheduler's length is asked)."""
+        return self.hash_len is not None and self.hash_len < MAX_HASH_BYTES
 
     def lookup(self, request_id: str, computed: int, num_tokens: int, **cap: Any) -> Any:
         s = self.impl
@@ -433,7 +440,7 @@ class Hostile:
                                             *reqs[1:])))))
         # The first request with new hashes, each one byte longer than the scheduler's.
         hashed = next((k for k, sr in enumerate(reqs) if sr.new_hashes), None)
-        if hashed is not None and self.hash_len is not None:
+        if hashed is not None and self._longer_hashes:
             sr = reqs[hashed]
             longer = replace(sr, new_hashes=tuple(h + b"\0" for h in sr.new_hashes))
             twins.append(self._arg_twin(
