@@ -257,13 +257,18 @@ def largest_supported(g: GroupSpec, group: int, bound: int, computed: int, num_k
     # past each miss; every key is read at most once.
     need = reach_chunks(g)
     k = min((bound - 1) // o, num_keys - extra)
-    while k * o > computed:
+    # Each pass moves k down by one at least (a miss lies below k + extra), so k + 1
+    # passes end the scan; a slip that stops moving it is E3, not a hang.
+    for _ in range(max(k, 0) + 1):
+        if k * o <= computed:
+            return 0, (first, first)
         start, end = max(first, k - need), k + extra
         miss = _rightmost_miss(is_hit, group, start, end)
         if miss is None:
             return k * o, (start, end)
         k = miss - extra
-    return 0, (first, first)
+    raise InvariantViolation([Violation("E3", "a window group's boundary scan exceeded "
+                                        "its bound", {"group": group, "bound": bound})])
 
 
 def _first_miss(is_hit: HitFn, group: int, start: int, end: int) -> int | None:

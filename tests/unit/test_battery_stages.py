@@ -840,3 +840,19 @@ def test_a_block_walk_that_goes_backwards_is_named_not_a_hang(
     result = _check.BatteryResult()
     _check.run_directed(preset(DEFAULT), result, preset=DEFAULT)
     assert result.failure is not None and result.failure.ids == ["R1"], result.failure
+
+
+def test_a_window_scan_that_stops_moving_is_named_not_a_hang(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the window groups' boundary scan steps to ``miss - extra + 1``, which can
+    be where it already was. As ``while k * o > computed`` that scan never ended and
+    ``kvcore check`` hung; bounded by a range of k + 1 passes it stops and names E3."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.scheduler import _lookup
+    monkeypatch.setattr(_lookup, "largest_supported", mutated(
+        _lookup.largest_supported, "k = miss - extra\n    raise",
+        "k = miss - extra + 1\n    raise"))
+    result = _check.BatteryResult()
+    _check.run_directed(preset(DEFAULT), result, preset=DEFAULT)
+    assert result.failure is not None and result.failure.ids == ["E3"], result.failure
