@@ -557,28 +557,70 @@ def _transfer_stage() -> None:
     _enginecheck.run_transfer_engine(preset(DEFAULT), _enginecheck.ENGINE_CASES, {})
 
 
-def test_a_job_id_taken_twice_while_in_flight_is_caught(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``submit``'s in-flight id test removed (``if False:``), so a second job
-    under a live id is queued and the first result settles both. Before the stand-in
-    stream held a job, no stage of ``kvcore check`` executed this refusal at all."""
+# Mutants of the transfer engine's timing-dependent refusals. Before the stand-in stream
+# held a job in flight, no stage of ``kvcore check`` executed any of these lines, so
+# removing each passed the check. Each row: the class and method patched, the text
+# replaced and its replacement, the invariant the check must name, a phrase of its
+# message, and whether the stage's close limit is shortened (for mutants that would
+# otherwise leave a worker waiting out the full ``JOB_SECONDS``).
+HELD_JOB_MUTANTS = [
+    # submit's in-flight id test removed: a second job under a live id is queued and
+    # the first result settles both.
+    pytest.param(_engine.TransferEngine, "submit", "if plan.job_id in self._pending:",
+                 "if False:", "A1", "again while it is in flight", False, id="dup-id"),
+    # wait answers when its limit runs out instead of raising TimeoutError: the fence
+    # a wait stands for would pass with the store's bytes still moving.
+    pytest.param(_engine.TransferEngine, "wait",
+                 "lambda: not ids & self._pending, timeout):",
+                 "lambda: not ids & self._pending, timeout) and False:",
+                 "X2", "instead of raising TimeoutError", False, id="wait-timeout"),
+    # rebind swaps the pools without waiting for the jobs in flight: a copy still
+    # running reads or writes pools the engine has just handed back.
+    pytest.param(_engine.TransferEngine, "rebind_gpu_tensors",
+                 "if not self._cond.wait_for(lambda: not self._pending, timeout):",
+                 "if False:", "X2", "rebound with a job in flight", False, id="rebind"),
+    # _Pool.changed looks at the storage alone (its address test removed), so a pool
+    # re-pointed with set_ is copied at its old address: wrong bytes, no error. The
+    # rebinds alternate between freeing a pool and re-pointing it.
+    pytest.param(_memory._Pool, "changed", "if self.tensor.data_ptr() != self.base:",
+                 "if False:", "A1", "a pool pointed elsewhere: accepted", False,
+                 id="re-pointed-pool"),
+    # close returns with its worker still running (its TimeoutError removed), so the
+    # caller frees pools a copy is still reading.
+    pytest.param(_engine.TransferEngine, "close", "if self._thread.is_alive():",
+                 "if False:", "X2", "instead of raising TimeoutError", False,
+                 id="close-early"),
+    # close releases the stream without destroying its events (on CUDA they outlive
+    # the engine).
+    pytest.param(_engine.TransferEngine, "close", "self._cuda.event_destroy(event)",
+                 "pass", "X2", "events still alive", False, id="close-keeps-events"),
+    # close finds the queue full behind a stuck worker and builds the thread that
+    # would post the stop mark but never starts it: the worker waits forever and
+    # every later close times out.
+    pytest.param(_engine.TransferEngine, "close", 'name="kvcore-transfer-stop").start()',
+                 'name="kvcore-transfer-stop")', "X2", "events still alive", True,
+                 id="close-drops-stop-mark"),
+    # the worker's last words are gone (its finally reports no job): when it dies with
+    # a job in flight the job leaves the jobs in flight with no result, so a wait
+    # answers as if it had finished and the scheduler never hears of it.
+    pytest.param(_engine.TransferEngine, "_worker", "for job_id in sorted(self._pending):",
+                 "for job_id in []:", "X2", "when its worker died", True, id="worker-dies"),
+]
+
+
+@pytest.mark.parametrize(("cls", "method", "old", "new", "invariant", "says", "short"),
+                         HELD_JOB_MUTANTS)
+def test_a_timing_dependent_refusal_removed_is_caught(
+        monkeypatch: pytest.MonkeyPatch, cls: type, method: str, old: str, new: str,
+        invariant: str, says: str, short: bool) -> None:
+    """Each mutant passed ``kvcore check`` until the transfer stage held a job in flight;
+    now the stage names it."""
     from refinement.test_refinement_mutants import mutated
 
-    monkeypatch.setattr(_engine.TransferEngine, "submit", mutated(
-        _engine.TransferEngine.submit, "if plan.job_id in self._pending:", "if False:"))
-    assert "again while it is in flight" in caught("A1", _transfer_stage)
-
-
-def test_a_wait_that_answers_before_its_jobs_finish_is_caught(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``wait`` answers when its limit runs out instead of raising TimeoutError
-    (the fence a wait stands for would pass with the store's bytes still moving)."""
-    from refinement.test_refinement_mutants import mutated
-
-    monkeypatch.setattr(_engine.TransferEngine, "wait", mutated(
-        _engine.TransferEngine.wait, "lambda: not ids & self._pending, timeout):",
-        "lambda: not ids & self._pending, timeout) and False:"))
-    assert "instead of raising TimeoutError" in caught("X2", _transfer_stage)
+    if short:
+        monkeypatch.setattr(_enginecheck, "JOB_SECONDS", 5.0)
+    monkeypatch.setattr(cls, method, mutated(getattr(cls, method), old, new))
+    assert says in caught(invariant, _transfer_stage)
 
 
 def test_a_worker_that_does_not_look_at_the_pools_again_is_caught(
@@ -608,39 +650,6 @@ def test_a_worker_that_does_not_look_at_the_pools_again_is_caught(
     assert skipped == [behind]
 
 
-def test_a_pool_pointed_at_new_memory_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``_Pool.changed`` looks at the storage alone (its address test of the
-    tensor removed), so a pool re-pointed with ``set_`` is copied at its old address,
-    where the tensor no longer reads: wrong bytes served, no error. No stage re-pointed a
-    pool before; the rebinds now alternate between freeing one and re-pointing it."""
-    from refinement.test_refinement_mutants import mutated
-
-    monkeypatch.setattr(_memory._Pool, "changed", mutated(
-        _memory._Pool.changed, "if self.tensor.data_ptr() != self.base:", "if False:"))
-    assert "a pool pointed elsewhere: accepted" in caught("A1", _transfer_stage)
-
-
-def test_a_close_that_returns_before_its_worker_stops_is_caught(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``close`` returns when its limit runs out with the worker still running
-    (its TimeoutError removed), so the caller frees pools a copy is still reading."""
-    from refinement.test_refinement_mutants import mutated
-
-    monkeypatch.setattr(_engine.TransferEngine, "close", mutated(
-        _engine.TransferEngine.close, "if self._thread.is_alive():", "if False:"))
-    assert "instead of raising TimeoutError" in caught("X2", _transfer_stage)
-
-
-def test_a_close_that_keeps_its_events_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``close`` releases the stream without destroying its events (on CUDA they
-    outlive the engine)."""
-    from refinement.test_refinement_mutants import mutated
-
-    monkeypatch.setattr(_engine.TransferEngine, "close", mutated(
-        _engine.TransferEngine.close, "self._cuda.event_destroy(event)", "pass"))
-    assert "events still alive" in caught("X2", _transfer_stage)
-
-
 @pytest.mark.parametrize(("method", "old", "new"), [
     ("event_create", "if len(self._live) >= MAX_EVENTS:", "if len(self._live) > MAX_EVENTS:"),
     ("event_record", "if event in self._pending:", "if False:"),
@@ -658,47 +667,3 @@ def test_a_stand_in_detector_that_does_not_bite_is_caught(
     monkeypatch.setattr(cls, method, mutated(getattr(cls, method), old, new))
     assert "misuse detectors are off" in caught(
         "X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
-
-
-def test_a_rebind_that_does_not_wait_for_jobs_in_flight_is_caught(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: ``rebind_gpu_tensors`` swaps the pools without waiting for the jobs in
-    flight (its wait test ``if False:``): a copy still running reads or writes pools the
-    engine has just handed back."""
-    from refinement.test_refinement_mutants import mutated
-
-    monkeypatch.setattr(_engine.TransferEngine, "rebind_gpu_tensors", mutated(
-        _engine.TransferEngine.rebind_gpu_tensors,
-        "if not self._cond.wait_for(lambda: not self._pending, timeout):", "if False:"))
-    assert "rebound with a job in flight" in caught("X2", _transfer_stage)
-
-
-def test_a_close_that_drops_its_stop_mark_on_a_full_queue_is_caught(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: when ``close`` finds the queue full behind a stuck worker, the thread that
-    would post the stop mark is built but never started, so the worker waits on its
-    queue forever and every later ``close`` times out (the limit is shortened here: the
-    stage waits ``JOB_SECONDS`` for a close)."""
-    from refinement.test_refinement_mutants import mutated
-
-    monkeypatch.setattr(_enginecheck, "JOB_SECONDS", 5.0)
-    monkeypatch.setattr(_engine.TransferEngine, "close", mutated(
-        _engine.TransferEngine.close, 'name="kvcore-transfer-stop").start()',
-        'name="kvcore-transfer-stop")'))
-    assert "events still alive" in caught("X2", _transfer_stage)
-
-
-def test_a_worker_that_dies_without_reporting_its_jobs_is_caught(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mutant: the worker's last words are gone (its ``finally`` reports no job), so when
-    it dies with a job in flight, the job is dropped from the jobs in flight with no
-    result: a wait answers as if it had finished and the scheduler never hears of it.
-    The stage's third engine kills its worker at a held event (the limit is shortened
-    here, in case the mutant hangs instead)."""
-    from refinement.test_refinement_mutants import mutated
-
-    monkeypatch.setattr(_enginecheck, "JOB_SECONDS", 5.0)
-    monkeypatch.setattr(_engine.TransferEngine, "_worker", mutated(
-        _engine.TransferEngine._worker, "for job_id in sorted(self._pending):",
-        "for job_id in []:"))
-    assert "when its worker died" in caught("X2", _transfer_stage)
