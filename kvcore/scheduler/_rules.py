@@ -311,15 +311,13 @@ def chunk_source_blocks(table: Sequence[int], chunk: int, blocks_per_chunk: int
                         ) -> tuple[int, tuple[int, ...]]:
     """(first position, ids) of a chunk's GPU blocks.
 
-    Stores offer only whole chunks (``group_offer``), so for them nothing is dropped; the
-    leading-null skip keeps the function total for any table (S2 then reports a short run).
+    Stores offer only whole chunks (``group_offer`` skips a chunk with any null block),
+    so the ids are taken as they are: a null id here would be a bug of the offer, and B1
+    names it on the plan. (An earlier version skipped leading nulls to stay total for any
+    table; no caller could reach that branch, so no check could tell it was wrong.)
     """
     start = chunk * blocks_per_chunk
-    ids = table[start:start + blocks_per_chunk]
-    skip = 0
-    while skip < len(ids) and ids[skip] == 0:
-        skip += 1
-    return start + skip, tuple(ids[skip:])
+    return start, tuple(table[start:start + blocks_per_chunk])
 
 
 # -- load -------------------------------------------------------------------------------

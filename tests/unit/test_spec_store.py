@@ -139,13 +139,13 @@ def test_upstream_block_size_factor_three_middle_key() -> None:
     assert chunk_source_blocks(table, 1, 3) == (3, (4, 5, 6))
 
 
-def test_leading_null_sub_blocks_are_dropped_from_the_first_run() -> None:
+def test_a_chunk_is_read_whole_and_a_leading_null_reaches_b1() -> None:
+    """The offer never offers a chunk with a null block; if it did (the W24 mutant of the
+    refinement machine), the null id reaches the plan whole and B1 refuses it."""
     table = (0, 0, 7, 8, 9, 10)
-    assert chunk_source_blocks(table, 0, 3) == (2, (7,))
+    assert chunk_source_blocks(table, 0, 3) == (0, (0, 0, 7))
     assert chunk_source_blocks(table, 1, 3) == (3, (8, 9, 10))
-    # An odd number of leading nulls: each null is skipped on its own, not in pairs.
-    assert chunk_source_blocks((0, 7, 8), 0, 3) == (1, (7, 8))
-    assert chunk_source_blocks((5, 6, 0, 7), 1, 2) == (3, (7,))
+    assert chunk_source_blocks((5, 6, 0, 7), 1, 2) == (2, (0, 7))
 
 
 def test_no_hole_after_a_chunked_prefill_store() -> None:
