@@ -1,4 +1,5 @@
-"""Shared pytest set-up for the whole test tree: the Hypothesis profiles.
+"""Shared pytest set-up for the whole test tree: the Hypothesis profiles, and a fixture
+that runs Python code inside the next garbage collection.
 
 Three profiles, chosen once here so that every property test runs under the same budget
 (a limit on everything, passed explicitly rather than trusting Hypothesis's defaults):
@@ -16,8 +17,11 @@ are written for clarity, not speed, and some strategies (whole hit maps) are lar
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Callable, Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 _SLOW_OK = [HealthCheck.too_slow]
@@ -52,3 +56,42 @@ def _profile_name() -> str:
 
 
 settings.load_profile(_profile_name())
+
+
+@pytest.fixture
+def inside_next_collection() -> Iterator[Callable[[Callable[[], None]], list[bool]]]:
+    """``arm(action)``: the next allocation of a tracked object runs a collection, and
+    ``action`` runs at its start; the returned list gets True once it has run.
+
+    A C function that allocates a list may run a collection, and a gc callback (or a
+    ``__del__``) there may change the Python objects it is reading; the C code must read
+    them again after the allocation. The tests of those re-reads fire ``action`` inside
+    that allocation: gen 0 is filled to its threshold, so the allocation is the one that
+    collects. Arm it right before that call (inside ``pytest.raises``, not before it):
+    any tracked allocation in between collects first.
+    """
+    threshold = gc.get_threshold()
+    pending: list[Callable[[], None]] = []
+    fired: list[bool] = []
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if pending and phase == "start":
+            pending.pop()()
+            fired.append(True)
+
+    junk: list[object] = []  # kept until teardown: freeing it lowers the gen 0 count
+
+    def arm(action: Callable[[], None]) -> list[bool]:
+        gc.set_threshold(100)
+        gc.collect()
+        while gc.get_count()[0] < 100:
+            junk.append([])
+        pending.append(action)
+        return fired
+
+    gc.callbacks.append(callback)
+    try:
+        yield arm
+    finally:
+        gc.callbacks.remove(callback)
+        gc.set_threshold(*threshold)
