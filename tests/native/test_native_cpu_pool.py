@@ -238,3 +238,51 @@ def test_a_storage_change_in_either_pointer_or_size_alone_is_seen(field: str) ->
     moved = replace(pool, **{field: getattr(pool, field) + 64})
     change = moved.changed()
     assert change is not None and "freed or resized" in change
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_tier_the_host_cannot_allocate_is_a_config_error_naming_the_field(
+        monkeypatch: pytest.MonkeyPatch, pin: bool) -> None:
+    """torch's own out-of-memory error names neither the field nor the tier; the engine's
+    names ``num_cpu_blocks``, the group, its size, whether it was pinned, and the fix.
+    Mutants: "pinned" said of the wrong case, and the ``pin_memory`` error (no CUDA)
+    given when CUDA is there (``torch.cuda.is_available`` is made to answer yes, so a
+    refused pinned tier is the host's doing)."""
+    from kvcore.spec.errors import ConfigError
+    from kvcore.transfer import _setup
+
+    cfg, tensors, _ = _small()
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("dtype") is torch.uint8 and "pin_memory" in kwargs:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore lines")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_setup.torch, "empty", empty)
+    with pytest.raises(ConfigError) as info:
+        _setup._allocate_tier(4096, 2, 64, pin)
+    text = str(info.value)
+    assert info.value.field == "num_cpu_blocks", text
+    assert "group 2's CPU tier of 64 chunks" in text and "lower num_cpu_blocks" in text, text
+    assert ("(4096 bytes, pinned)" if pin else "(4096 bytes)") in text, text
+    assert "can't allocate memory)" in text and "more lines" not in text, text
+    # Through the public entry: the same error, before any engine exists.
+    with pytest.raises(ConfigError) as info:
+        TransferEngine(cfg, tensors, pin_memory=False)
+    assert info.value.field == "num_cpu_blocks", info.value
+
+
+def test_a_pinned_tier_without_cuda_names_pin_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcore.spec.errors import ConfigError
+    from kvcore.transfer import _setup
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("Cannot access accelerator device when none is available.")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_setup.torch, "empty", empty)
+    with pytest.raises(ConfigError) as info:
+        _setup._allocate_tier(4096, 0, 64, True)
+    assert info.value.field == "pin_memory" and "pin_memory=False" in str(info.value)
