@@ -156,7 +156,7 @@ def raise_for_status(status: int, err: Any, *, num_descs: int, context: str = ""
 
 def _check_int(name: str, value: object) -> int:
     """Wrong Python types are ValueError (bool included: True is not a block id)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if type(value) is not int:
         raise ValueError(f"{name}={value!r} must be an int, not {type(value).__name__}")
     return value
 

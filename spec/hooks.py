@@ -384,18 +384,33 @@ def check_key(where: str, key: object) -> None:
         raise BadKeyError(where, key, MAX_KEY_BYTES)
 
 
-def check_keys(where: str, keys: object) -> None:
-    """Raise unless ``keys`` is a list or tuple of valid keys (a ``str`` or ``bytes`` is
-    not a sequence of keys: iterating it would give characters or ints)."""
-    if not isinstance(keys, list | tuple):
+def check_keys(where: str, keys: object) -> tuple[bytes, ...]:
+    """The keys as a tuple, checked; raise unless ``keys`` is a list or tuple of valid
+    keys (a ``str`` or ``bytes`` is not a sequence of keys: iterating it would give
+    characters or ints).
+
+    The caller uses the tuple returned, never ``keys`` again: a list subclass can iterate
+    differently the second time (valid keys for the check, a 100-byte one for the
+    store), and a list can change while a policy runs. The copy reads the list's or
+    tuple's own items (``list.__iter__``), not what a subclass's ``__iter__`` says.
+    """
+    got: tuple[bytes, ...]
+    if type(keys) is tuple:
+        got = keys
+    elif isinstance(keys, list):
+        got = tuple(list.__iter__(keys))
+    elif isinstance(keys, tuple):
+        got = tuple(tuple.__iter__(keys))
+    else:
         raise ArgumentTypeError(where, "keys", keys, "a list or tuple of bytes keys",
                                 "wrap the keys in a list")
     # Two C passes (types, then lengths into a set, usually of one size), not three.
-    if keys and _scan_bytes(keys, MAX_KEY_BYTES) < 0 and (
-            not set(map(type, keys)) <= _BYTES
-            or not 0 < min(sizes := set(map(len, keys))) <= max(sizes) <= MAX_KEY_BYTES):
-        for key in keys:
+    if got and _scan_bytes(got, MAX_KEY_BYTES) < 0 and (
+            not set(map(type, got)) <= _BYTES
+            or not 0 < min(sizes := set(map(len, got))) <= max(sizes) <= MAX_KEY_BYTES):
+        for key in got:
             check_key(where, key)
+    return got
 
 
 def check_success(where: str, success: object) -> None:
@@ -409,20 +424,28 @@ def check_success(where: str, success: object) -> None:
 MAX_CAPACITY_CHUNKS = 1 << 40
 
 
-def check_capacity(capacity: object) -> None:
-    """Raise ConfigError(field="capacity") unless ``capacity`` is a positive int in range,
-    or a non-empty list or tuple of such ints (one per group, at most MAX_GROUPS)."""
+def check_capacity(capacity: object) -> int | tuple[int, ...]:
+    """The capacity as checked: a positive int in range, or a tuple of them (from a
+    non-empty list or tuple, one per group, at most MAX_GROUPS); else ConfigError(field=
+    "capacity").
+
+    Exactly ``int``, never a subclass: one whose ``<=`` and ``>`` answer False passed as
+    a capacity of -3 or 2**80. The caller keeps what is returned, not its argument (a
+    list subclass could iterate differently the second time).
+    """
     if isinstance(capacity, list | tuple):
-        if len(capacity) == 0 or len(capacity) > MAX_GROUPS:
-            raise ConfigError("capacity", f"capacity has {len(capacity)} per-group entries; "
+        per_group = tuple(list.__iter__(capacity) if isinstance(capacity, list)
+                          else tuple.__iter__(capacity))
+        if len(per_group) == 0 or len(per_group) > MAX_GROUPS:
+            raise ConfigError("capacity", f"capacity has {len(per_group)} per-group entries; "
                               f"give one per group, 1..{MAX_GROUPS}, or one int for all")
-        for one in capacity:
+        for one in per_group:
             if isinstance(one, list | tuple):  # one level: an int per group, no deeper
                 raise ConfigError("capacity", f"capacity={capacity!r} nests a list; give "
                                   "one int per group")
             check_capacity(one)
-        return
-    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        return cast("tuple[int, ...]", per_group)
+    if type(capacity) is not int:
         raise ConfigError("capacity", f"capacity={capacity!r} must be an int: the CPU tier's "
                           "size in chunks per group")
     if capacity <= 0:
@@ -431,3 +454,4 @@ def check_capacity(capacity: object) -> None:
     if capacity > MAX_CAPACITY_CHUNKS:
         raise ConfigError("capacity", f"capacity={capacity} exceeds {MAX_CAPACITY_CHUNKS} "
                           "chunks; it counts chunks, not bytes")
+    return capacity

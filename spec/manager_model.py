@@ -141,10 +141,8 @@ class ReferenceManager:
 
     def __init__(self, capacity: int | Sequence[int],
                  max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS) -> None:
-        check_capacity(capacity)
+        self.capacity: int | tuple[int, ...] = check_capacity(capacity)
         check_pending_events(max_pending_events)
-        self.capacity: int | tuple[int, ...] = \
-            capacity if isinstance(capacity, int) else tuple(capacity)
         self.max_pending_events = max_pending_events
         self.events_dropped = 0
         self.state: dict[Key, str] = {}
@@ -222,7 +220,7 @@ class ReferenceManager:
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Make READY keys most recent, ``keys[0]`` last so it ends the most recent."""
-        check_keys("touch", keys)
+        keys = check_keys("touch", keys)
         for key in reversed(keys):
             order = self.recency.get(_group_of(key), [])
             if key in order:
@@ -231,7 +229,7 @@ class ReferenceManager:
 
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         """Pin every key (once per occurrence) and return their slots in key order."""
-        check_keys("prepare_load", keys)
+        keys = check_keys("prepare_load", keys)
         for key in keys:
             if self.state.get(key) != "ready":
                 raise KeyNotReadyError(key, "writing" if key in self.state else "absent")
@@ -241,7 +239,7 @@ class ReferenceManager:
 
     def complete_load(self, keys: Sequence[Key]) -> None:
         """Release one pin per occurrence of each key."""
-        check_keys("complete_load", keys)
+        keys = check_keys("complete_load", keys)
         for key in keys:
             pins, releases = self.pins.get(key, 0), list(keys).count(key)
             if self.state.get(key) != "ready" or pins < releases:
@@ -262,7 +260,7 @@ class ReferenceManager:
         exactly the number of that group's keys needed, all evictable and outside the
         call, or ValueError is raised.
         """
-        check_keys("prepare_store", keys)
+        keys = check_keys("prepare_store", keys)
         to_store: list[Key] = []
         for key in keys:
             if key not in self.state and key not in to_store:
@@ -304,7 +302,7 @@ class ReferenceManager:
         READY and absent keys are left alone: a key may have been present before the
         store was prepared, and the scheduler, not the tier, accounts for jobs (J2).
         """
-        check_keys("complete_store", keys)
+        keys = check_keys("complete_store", keys)
         check_success("complete_store", success)
         done = [k for k in dict.fromkeys(keys) if self.state.get(k) == "writing"]
         for key in done:

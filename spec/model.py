@@ -363,8 +363,9 @@ class ReferenceScheduler:
         for name, value in (("computed_tokens", computed_tokens), ("num_tokens", num_tokens)):
             check_int("lookup", name, value)
         req = self._req(request_id)
-        if max_tokens is not None and (isinstance(max_tokens, bool)
-                                       or not isinstance(max_tokens, int) or max_tokens < 0):
+        # Exactly int (as every other count): an int subclass can answer ``< 0`` with
+        # False and add as a float, after the lookup has cleared the request's tables.
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
             raise BadStepError(f"request {request_id!r}: max_tokens={max_tokens!r} must be "
                                "None (no cap) or an int >= 0")
         hbt = self.config.hash_block_tokens

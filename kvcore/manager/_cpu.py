@@ -146,14 +146,14 @@ class CPUOffloadManager(OffloadManager):
     def __init__(self, capacity: int | Sequence[int], policy: str = "lru", *,
                  check: bool | None = None,
                  max_pending_events: int = DEFAULT_MAX_PENDING_EVENTS) -> None:
-        check_capacity(capacity)
+        capacity = check_capacity(capacity)
         check_pending_events(max_pending_events)
         self._check = checks_enabled(check)
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ConfigError("policy", f"policy={policy!r} is not an eviction policy; "
                               f"choose one of {sorted(POLICIES)}")
         self._policy_class = POLICIES[policy]
-        self._per_group = tuple(capacity) if isinstance(capacity, list | tuple) else None
+        self._per_group = capacity if isinstance(capacity, tuple) else None
         self._capacity = capacity if isinstance(capacity, int) else 0
         self._group_bound = MAX_GROUPS if self._per_group is None else len(self._per_group)
         self._pools: dict[int, _Pool] = {}
@@ -229,7 +229,7 @@ class CPUOffloadManager(OffloadManager):
 
     def lookup_many(self, keys: Sequence[Key]) -> list[Status]:
         """``lookup`` of each key, in one call (a lookup reads keys in blocks)."""
-        check_keys("lookup_many", keys)
+        keys = check_keys("lookup_many", keys)
         return self._entries.read(keys, _STATUS_OF)
 
     def lookup_hashes(self, hashes: Sequence[bytes], suffix: bytes) -> list[Status]:
@@ -282,7 +282,7 @@ class CPUOffloadManager(OffloadManager):
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Each group's keys refresh that group's policy, in call order within the group."""
-        check_keys("touch", keys)
+        keys = check_keys("touch", keys)
         if not keys:
             return
         pools = self._pools
@@ -317,7 +317,7 @@ class CPUOffloadManager(OffloadManager):
     def prepare_load(self, keys: Sequence[Key]) -> tuple[int, ...]:
         """Pin each key once per occurrence; all keys are validated before any is pinned,
         so a rejected call (KeyNotReadyError) leaves every pin count as it was."""
-        check_keys("prepare_load", keys)
+        keys = check_keys("prepare_load", keys)
         entries, pins, pools = self._entries, self._pins, self._pools
         records: list[int] = []
         for key in keys:  # validate every key before pinning any
@@ -337,7 +337,7 @@ class CPUOffloadManager(OffloadManager):
     def complete_load(self, keys: Sequence[Key]) -> None:
         """Release one pin per occurrence; counted per key first, so a call releasing more
         pins than a key holds raises NotPinnedError before any pin moves."""
-        check_keys("complete_load", keys)
+        keys = check_keys("complete_load", keys)
         entries, pins = self._entries, self._pins
         for key, releases in Counter(keys).items():  # validate before releasing any
             held = pins.get(key, 0)
@@ -362,7 +362,7 @@ class CPUOffloadManager(OffloadManager):
         group has fewer evictable keys than it needs; otherwise the walks cost the victims
         plus the pinned and same-call keys they pass.
         """
-        check_keys("prepare_store", keys)
+        keys = check_keys("prepare_store", keys)
         entries = self._entries
         to_store = [k for k in dict.fromkeys(keys) if k not in entries]
         if not to_store:
@@ -403,7 +403,7 @@ class CPUOffloadManager(OffloadManager):
         A prefill's store completes thousands of keys at once, so the READY path makes
         one pass marking entries and hands each pool its run of keys in one call.
         """
-        check_keys("complete_store", keys)
+        keys = check_keys("complete_store", keys)
         check_success("complete_store", success)
         if not success:
             self._fail_store(keys)

@@ -238,8 +238,9 @@ class OffloadScheduler:
         check_int("lookup", "computed_tokens", computed_tokens)
         check_int("lookup", "num_tokens", num_tokens)
         req = self._req(request_id)
-        if max_tokens is not None and (isinstance(max_tokens, bool)
-                                       or not isinstance(max_tokens, int) or max_tokens < 0):
+        # Exactly int (as every other count): an int subclass can answer ``< 0`` with
+        # False and add as a float, after the lookup has cleared the request's tables.
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 0):
             raise BadStepError(f"request {request_id!r}: max_tokens={max_tokens!r} must be "
                                "None (no cap) or an int >= 0")
         if num_tokens // self.config.hash_block_tokens > len(req.hashes):
@@ -358,8 +359,10 @@ class OffloadScheduler:
         many leading blocks of each already hold valid KV on the GPU. ``load_tokens`` is 0
         or what the request's latest lookup answered, with the same ``computed_tokens``.
         """
-        req, tables = self._validate_alloc(request_id, block_ids, valid_blocks,
-                                           computed_tokens, load_tokens)
+        # From here on only the checked copies are read: a list subclass could answer
+        # differently the second time (a valid count above its table's length).
+        req, tables, valid = self._validate_alloc(request_id, block_ids, valid_blocks,
+                                                  computed_tokens, load_tokens)
         if load_tokens == 0:
             req.looked_up = None
             return None
@@ -372,7 +375,7 @@ class OffloadScheduler:
                 f"0 or the hit of request {request_id!r}'s latest lookup "
                 f"(computed_tokens, hit) = {req.looked_up}",
                 "pass the number lookup() returned, with the same computed_tokens, once")
-        loads = load_plan(self.config, computed_tokens, load_tokens, tables, valid_blocks)
+        loads = load_plan(self.config, computed_tokens, load_tokens, tables, valid)
         keys = [req.keys[g][gl.first_chunk:gl.end_chunk] for g, gl in enumerate(loads)]
         flat = [k for ks in keys for k in ks]
         slots = iter(self.manager.prepare_load(flat))
@@ -402,17 +405,17 @@ class OffloadScheduler:
         self._stats.chunks_loaded += len(flat)
         if self.check:
             ranges = tuple((gl.first_chunk, gl.end_chunk) for gl in loads)
-            tables = tuple(tuple(ids) for ids in block_ids)
             self._enforce([LoadRecord(self.config, computed_tokens, load_tokens, ranges),
                            LoadCoverageRecord(self.config, computed_tokens, load_tokens,
-                                              tables, tuple(valid_blocks), plan),
+                                              tables, valid, plan),
                            PlanRecord(self.config, plan), *moves,
                            JobTableRecord(request_id, self._kinds_in_flight(request_id))])
         return plan
 
     def _validate_alloc(self, request_id: str, block_ids: object, valid_blocks: object,
                         computed_tokens: object, load_tokens: object
-                        ) -> tuple[RequestState, tuple[tuple[int, ...], ...]]:
+                        ) -> tuple[RequestState, tuple[tuple[int, ...], ...],
+                                   tuple[int, ...]]:
         """Every argument of ``after_alloc`` checked, types first; changes nothing."""
         where = "after_alloc"
         check_request_id(where, request_id)
@@ -431,7 +434,7 @@ class OffloadScheduler:
                 raise ArgumentRangeError(where, f"valid_blocks[{group}]", count,
                                          f"0..{len(tables[group])} (the table's length)",
                                          "count only blocks present in block_ids")
-        return req, tables
+        return req, tables, valid
 
     # -- the step -----------------------------------------------------------------------
 

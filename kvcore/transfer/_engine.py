@@ -444,11 +444,11 @@ class TransferEngine:
 
     def _registered(self, group: object, tensor: object) -> _Registered:
         """The registration of tensor ``tensor`` of ``group``; TransferArgumentError if none."""
-        if isinstance(group, bool) or not isinstance(group, int) \
+        if type(group) is not int \
                 or not 0 <= group < len(self._groups):
             raise _bad("group", f"{short_repr(group)} is not a group id 0..{len(self._groups) - 1}")
         regs = self._groups[group]
-        if isinstance(tensor, bool) or not isinstance(tensor, int) or not 0 <= tensor < len(regs):
+        if type(tensor) is not int or not 0 <= tensor < len(regs):
             raise _bad("tensor", f"{short_repr(tensor)} is not a tensor index 0..{len(regs) - 1} "
                                  f"of group {group}")
         return regs[tensor]
@@ -464,7 +464,7 @@ class TransferEngine:
     def read_cpu_chunk(self, group: int, tensor: int, slot: int) -> bytes:
         """A copy of one CPU chunk's bytes (for tests and the integrity simulator)."""
         cpu = self._registered(group, tensor).cpu
-        if isinstance(slot, bool) or not isinstance(slot, int):
+        if type(slot) is not int:
             raise _bad("slot", f"{short_repr(slot)} is a {type(slot).__name__}, not an int "
                                f"slot in 0..{cpu.shape[0] - 1}")
         if not 0 <= slot < cpu.shape[0]:
@@ -486,7 +486,9 @@ def _timeout(where: str, timeout: object) -> float | None:
         raise _bad(f"{where}(timeout)", f"{short_repr(timeout)} is a {type(timeout).__name__}; "
                                         "pass seconds as an int or float, or None to wait "
                                         "without a limit")
-    seconds = float(cast(float, timeout))
+    # An int past float's range (10**400) is out of range too, not an OverflowError.
+    seconds = float(cast(float, timeout)) if type(timeout) is float or \
+        abs(cast(int, timeout)) <= threading.TIMEOUT_MAX else -1.0
     if seconds == float("inf"):
         return None
     if not 0 <= seconds <= threading.TIMEOUT_MAX:

@@ -46,15 +46,19 @@ def _check_ints(name: str, values: object, job_id: int) -> tuple[int, ...]:
         raise TransferArgumentError(name, f"{short_repr(values)} must be a tuple of ints, not "
                                           f"{type(values).__name__} (use .tolist() on a tensor)",
                                     job_id=job_id)
-    if len(values) > MAX_IDS_PER_GROUP:
-        raise TransferArgumentError(name, f"holds {len(values)} ids; at most "
+    # The list's or tuple's own length and items (not a subclass's ``__len__`` or
+    # ``__iter__``), read once: what is checked is what is copied.
+    size = list.__len__(values) if isinstance(values, list) else tuple.__len__(values)
+    if size > MAX_IDS_PER_GROUP:
+        raise TransferArgumentError(name, f"holds {size} ids; at most "
                                           f"{MAX_IDS_PER_GROUP} per group and job",
-                                    value=len(values), bound=MAX_IDS_PER_GROUP, job_id=job_id)
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
+                                    value=size, bound=MAX_IDS_PER_GROUP, job_id=job_id)
+    got = tuple(list.__iter__(values) if isinstance(values, list) else tuple.__iter__(values))
+    for v in got:
+        if type(v) is not int:
             raise TransferArgumentError(name, f"holds {short_repr(v)} ({type(v).__name__}); "
                                               "ids must be ints", job_id=job_id)
-    return tuple(values)
+    return got
 
 
 def short_repr(value: object) -> str:
@@ -182,7 +186,7 @@ def check_plan(plan: object) -> TransferPlan:
     if missing:  # made without its constructor (object.__new__, a bad unpickle)
         raise _bad("plan", f"has no {', '.join(missing)}; build it with TransferPlan(...)")
     job = plan.job_id
-    if isinstance(job, bool) or not isinstance(job, int) or not 0 <= job <= MAX_JOB_ID:
+    if type(job) is not int or not 0 <= job <= MAX_JOB_ID:
         raise _bad("plan.job_id", f"{short_repr(job)} must be an int in 0..{MAX_JOB_ID}")
     if not isinstance(plan.kind, JobKind):
         raise TransferArgumentError("plan.kind", f"{short_repr(plan.kind)} must be a "

@@ -51,12 +51,11 @@ def _check_options(config: object, gpu_tensors: object, pin_memory: object,
         raise _bad("cuda_method", f"{cuda_method!r} is not one of {sorted(_cuda.METHODS)}")
     if pin_memory is not None and not isinstance(pin_memory, bool):
         raise _bad("pin_memory", f"{pin_memory!r} must be True, False or None (auto)")
-    if isinstance(max_queued_jobs, bool) or not isinstance(max_queued_jobs, int) \
+    if type(max_queued_jobs) is not int \
             or not 1 <= max_queued_jobs <= MAX_QUEUED_JOBS_LIMIT:
         raise _bad("max_queued_jobs", f"{max_queued_jobs!r} must be an int in "
                                       f"1..{MAX_QUEUED_JOBS_LIMIT}")
-    if simulate_stream is not None and (isinstance(simulate_stream, bool)
-                                        or not isinstance(simulate_stream, int)
+    if simulate_stream is not None and (type(simulate_stream) is not int
                                         or not 0 <= simulate_stream < 1 << 64):
         raise _bad("simulate_stream", f"{simulate_stream!r} must be None or a seed, an int "
                                       "in 0..2**64-1")

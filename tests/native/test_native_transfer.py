@@ -516,6 +516,9 @@ def test_wait_returns_results_and_leaves_them_for_poll() -> None:
     (lambda e: e.wait([1], timeout=math.nan), "wait(timeout)"),
     (lambda e: e.wait([1], timeout=True), "wait(timeout)"),
     (lambda e: e.drain(timeout=1e300), "drain(timeout)"),
+    (lambda e: e.wait([1], timeout=10**400), "wait(timeout)"),  # past float: not Overflow
+    (lambda e: e.drain(timeout=-10**400), "drain(timeout)"),
+    (lambda e: e.close(timeout=10**400), "close(timeout)"),
     (lambda e: e.rebind_gpu_tensors([], timeout="5"), "rebind_gpu_tensors(timeout)"),
     (lambda e: e.close(timeout=-1), "close(timeout)"),  # checked before the engine closes
 ])

@@ -170,7 +170,17 @@ def test_capped_lookup_directed(groups: list[GroupSpec], rows: list[str], num_to
     assert one_lookup(groups, rows, num_tokens, cap) == want
 
 
-@pytest.mark.parametrize("bad", [-1, True, 2.5, "8"])
+class _LyingInt(int):
+    """An int subclass that says it is not negative and adds as a float."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __radd__(self, other: object) -> float:
+        return 10.5
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.5, "8", _LyingInt(8), _LyingInt(-4)])
 def test_bad_cap_is_refused_and_changes_nothing(bad: Any) -> None:
     cfg = make_config(GroupSpec(FULL, 4), hash_block_tokens=4)
     for sched in (OffloadScheduler(cfg, CPUOffloadManager(8), check=True),
