@@ -263,9 +263,13 @@ class StepInput:
         where = "StepInput"
         requests = _sequence(where, "requests", self.requests, "ScheduledRequest")
         for i, sr in enumerate(requests):
-            if not isinstance(sr, ScheduledRequest):
-                raise ArgumentTypeError(where, f"requests[{i}]", sr, "ScheduledRequest",
-                                        "describe each scheduled request with one")
+            if type(sr) is not ScheduledRequest:
+                if not isinstance(sr, ScheduledRequest):
+                    raise ArgumentTypeError(where, f"requests[{i}]", sr, "ScheduledRequest",
+                                            "describe each scheduled request with one")
+                # An engine's own subclass is served too, but checked by kvcore's rules:
+                # an override of __post_init__ cannot skip them.
+                ScheduledRequest.__post_init__(sr)
         preempted = _sequence(where, "preempted", self.preempted, "request ids")
         for rid in preempted:
             check_request_id(where, rid)

@@ -331,7 +331,7 @@ class ReferenceScheduler:
 
     def add_request(self, info: RequestLike) -> None:
         """Start tracking a request."""
-        if not isinstance(info, RequestInfo):
+        if type(info) is not RequestInfo:
             raise ArgumentTypeError("add_request", "info", info, "RequestInfo",
                                     "describe the request with kvcore.RequestInfo")
         if info.request_id in self.requests:
@@ -592,7 +592,7 @@ class ReferenceScheduler:
 
     def _check_step_shape(self, step: StepLike) -> None:
         """A StepInput naming each request at most once, allocating only real blocks."""
-        if not isinstance(step, StepInput):
+        if type(step) is not StepInput:
             raise ArgumentTypeError("build_step", "step", step, "StepInput",
                                     "describe the step with kvcore.StepInput")
         for field_name, ids in (("requests", [sr.request_id for sr in step.requests]),
@@ -667,7 +667,7 @@ class ReferenceScheduler:
                                     "an iterable of WorkerReport", "pass a list of reports")
         batch = list(reports)
         for i, r in enumerate(batch):
-            if not isinstance(r, WorkerReport):
+            if type(r) is not WorkerReport:
                 raise ArgumentTypeError("worker_output", f"reports[{i}]", r, "WorkerReport",
                                         "build each report with kvcore.WorkerReport")
         counted = self._counted_reports(batch)

@@ -178,7 +178,7 @@ class OffloadScheduler:
 
     def add_request(self, info: RequestInfo) -> None:
         """Start tracking a request (the engine's "request arrived")."""
-        if not isinstance(info, RequestInfo):
+        if type(info) is not RequestInfo:
             raise ArgumentTypeError("add_request", "info", info, "RequestInfo",
                                     "describe the request with kvcore.RequestInfo")
         if info.request_id in self._reqs:
@@ -488,7 +488,7 @@ class OffloadScheduler:
     def _validate_step(self, step: StepInput) -> tuple[int | None, bool]:
         """The whole step checked; returns the hash length once its new hashes count, and
         whether the C pass vouched for every request (then step_apply may apply them)."""
-        if not isinstance(step, StepInput):
+        if type(step) is not StepInput:
             raise ArgumentTypeError("build_step", "step", step, "StepInput",
                                     "describe the step with kvcore.StepInput")
         _validate.check_unique(step)
@@ -836,7 +836,7 @@ def _report_list(reports: object) -> list[WorkerReport]:
                                 "an iterable of WorkerReport", "pass a list of reports")
     batch = list(reports)
     for i, r in enumerate(batch):
-        if not isinstance(r, WorkerReport):
+        if type(r) is not WorkerReport:
             raise ArgumentTypeError("worker_output", f"reports[{i}]", r, "WorkerReport",
                                     "build each report with kvcore.WorkerReport")
     return batch

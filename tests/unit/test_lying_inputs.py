@@ -183,3 +183,43 @@ def test_after_alloc_refuses_a_count_past_its_table() -> None:
     sched.add_request(RequestInfo("r1", 16, tuple(i.to_bytes(8, "big") for i in range(4))))
     with pytest.raises(ArgumentRangeError, match=r"valid_blocks\[0\]"):
         sched.after_alloc("r1", ((10, 11, 12, 13),), [99], 0, 0)
+
+
+def test_a_hook_object_subclass_that_skips_its_checks_is_refused() -> None:
+    """The hook objects are validated in ``__post_init__``; a subclass can replace it
+    and hand in a prompt of -5 tokens and a str of hashes (tracked before, then a lookup
+    failed deep inside the tier) or a report for job "x" (a bare TypeError). Mutants:
+    ``isinstance`` instead of the exact type at each entry; a ScheduledRequest subclass
+    taken without the base's checks."""
+    from kvcore.spec.errors import ArgumentTypeError
+
+    class Unchecked(RequestInfo):
+        def __post_init__(self) -> None:
+            pass
+
+    class UncheckedReport(WorkerReport):
+        def __post_init__(self) -> None:
+            pass
+
+    class UncheckedStep(StepInput):
+        def __post_init__(self) -> None:
+            pass
+
+    class UncheckedRequest(ScheduledRequest):
+        def __post_init__(self) -> None:
+            pass
+
+    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
+                        num_gpu_blocks=64, num_cpu_blocks=32)
+    sched = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True)
+    with pytest.raises(ArgumentTypeError, match=r"^add_request\(info\)|info"):
+        sched.add_request(Unchecked("r", -5, "ab"))  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match=r"reports\[0\]"):
+        sched.worker_output([UncheckedReport(0, "x")])  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="step"):
+        sched.build_step(UncheckedStep(("nothing",)))  # type: ignore[arg-type]
+    # An engine's own ScheduledRequest type is served (the simulator has one), but
+    # checked by kvcore's rules whatever its __post_init__ says.
+    with pytest.raises(ArgumentRangeError, match="scheduled_tokens"):
+        StepInput((UncheckedRequest("r", -1, 0, 0, ()),))
+    assert sched.tracked_requests() == frozenset() and sched.stats().lookups == 0
