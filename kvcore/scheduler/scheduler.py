@@ -604,7 +604,7 @@ class OffloadScheduler:
         if not draft.keys:
             self._move_cursors(req, draft)
             return None
-        out = self.manager.prepare_store(list(draft.keys))
+        out = self.manager.prepare_store(draft.keys)
         if out is None:
             self._stats.store_skipped_no_room += 1
             return None
@@ -680,7 +680,7 @@ class OffloadScheduler:
     def _complete(self, job: Job, finished_loads: list[str], failed_loads: list[LoadFailure],
                   failed_stores: list[int]) -> None:
         plan = job.plan
-        keys = list(plan.keys)
+        keys = plan.keys
         self._jobs.remove(plan.job_id)
         if plan.kind is JobKind.STORE:
             self.manager.complete_store(keys, success=not job.failed)
@@ -816,7 +816,7 @@ class OffloadScheduler:
         return tuple(j.plan.kind for j in self._jobs.jobs.values()
                      if j.plan.request_id == request_id)
 
-    def _check_completion(self, job: Job, keys: list[Key],
+    def _check_completion(self, job: Job, keys: Sequence[Key],
                           failed_loads: list[LoadFailure]) -> None:
         records: list[object] = [CompletionRecord(job.plan.job_id, self.config.num_workers,
                                                   len(job.reporters), 1,

@@ -744,7 +744,7 @@ REFUSALS = [
      "lookup: tokens past its hashes"),
     ("after_alloc", "if req.jobs:", "a load while the request's jobs run"),
     ("_validate_alloc", "if count > len(tables[group]):", "more valid blocks than the table"),
-    ("_validate_step", "if not isinstance(step, StepInput):", "build_step: not a StepInput"),
+    ("_validate_step", "if type(step) is not StepInput:", "build_step: not a StepInput"),
     ("_validate_scheduled", "if sr.num_tokens // cfg.hash_block_tokens > hashes:",
      "build_step: tokens past its hashes"),
     ("_validate_reports", "if r.job_id in queued:", "a load after_alloc queued"),
