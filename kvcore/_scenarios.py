@@ -497,6 +497,10 @@ def _other_request_loading(sched: OffloadScheduler, cfg: OffloadConfig,
 # Operations per policy in the tier-churn scenario, and its tier's slots per group: small,
 # so that most stores evict and several victims are chosen at once.
 CHURN_OPS = 600
+# The churn tier's event buffer: small, so the events it drops between its occasional
+# drains keep M3's per-event check busy in the directed stage (which the canaries run,
+# with however few seeds) and not only in the pressure profile's simulations.
+CHURN_EVENTS = 8
 CHURN_SLOTS = 6
 
 
@@ -506,14 +510,16 @@ def tier_churn(factory: Factory, config: OffloadConfig) -> None:
     touches that promote keys and hit ghosts (ARC's p moves both ways), loads that pin
     (some keys twice, released one load at a time),
     failed stores, completions that also list READY, repeated and absent keys (the tier
-    must leave them alone), events taken now and then, and at the end a store whose only
+    must leave them alone), events taken now and then from a buffer of
+    ``CHURN_EVENTS`` keys (so it drops, M3), and at the end a store whose only
     evictable keys are its own. Every answer and every victim is the
     reference manager's, through the shadow; no scheduler is involved."""
     del factory  # the tier alone
     rng = random.Random(f"churn:{config.name}:{len(config.groups)}")
     keys = [make_key(hashlib.sha256(b"churn%d" % i).digest()[:16], 0) for i in range(24)]
     for policy in ("lru", "arc"):
-        manager = ShadowedManager([CHURN_SLOTS] * len(config.groups), policy)
+        manager = ShadowedManager([CHURN_SLOTS] * len(config.groups), policy,
+                                  max_pending_events=CHURN_EVENTS)
         pinned: list[list[bytes]] = []
         for _ in range(CHURN_OPS):
             op = rng.random()

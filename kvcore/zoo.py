@@ -218,6 +218,13 @@ def _method_patch(target: Any, name: str, make: Callable[[Any], Any]) -> Callabl
     return apply
 
 
+def _events_never_dropped(_original: Any) -> Any:
+    """The buffer past its bound keeps every event (nothing drops the oldest)."""
+    def _drop_oldest(self: CPUOffloadManager, excess: int) -> None:
+        pass
+    return _drop_oldest
+
+
 def _failed_counted_as_done(original: Any) -> Any:
     def _complete(self: OffloadScheduler, job: Any, *args: Any) -> None:
         job.failed = False
@@ -502,6 +509,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("pinned-key-evicted", "an eviction walk that skips the call's own keys but not "
            "the pinned ones: a slot a load is still reading is freed and rewritten",
            ("gpt-oss", V4), "M1", _method_patch(CPUOffloadManager, "_choose", _pins_ignored)),
+    Mutant("event-buffer-unbounded", "a tier's event buffer that keeps every event while "
+           "nobody drains it: memory grows with each store and eviction", ("gpt-oss", V4),
+           "M3", _method_patch(CPUOffloadManager, "_drop_oldest", _events_never_dropped)),
     Mutant("min-chunk-before-last-shrink", "vLLM 0.33: the one-chunk minimum checked per "
            "group when visited, so a later shrink below the largest chunk is served",
            (V4, "mamba-and-window"), "L1", _converge_patch(min_per_group=True),
