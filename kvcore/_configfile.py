@@ -96,9 +96,16 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> OffloadC
 
 def load_config(path: str | Path) -> OffloadConfig:
     """Read and validate a TOML layout file."""
+    if not isinstance(path, str | Path):
+        raise ConfigError("config", f"the path is a {type(path).__name__}; name a TOML "
+                          "layout file as a str or Path (an int would be read as a file "
+                          "descriptor)")
     if str(path) == "":
         raise ConfigError("config", "the path is empty; name a TOML layout file (an unset "
                           "variable in `--config $LAYOUT`?)")
+    if "\0" in str(path):
+        raise ConfigError("config", f"the path {str(path)!r} holds a NUL byte; no file is "
+                          "named that")
     try:
         # A FIFO or a device would block the read or never end: only a regular file.
         if not stat.S_ISREG(os.stat(path).st_mode):

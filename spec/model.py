@@ -560,6 +560,11 @@ class ReferenceScheduler:
         self._check_step_shape(step)
         for request_id in step.preempted:
             self._req(request_id)
+            if any(p.request_id == request_id for p in self.queued_loads):
+                raise BadStepError(f"request {request_id!r} is preempted while its load is "
+                                   "queued, to be handed out by this step into the blocks "
+                                   "preemption frees; hand the load out with a step that "
+                                   "keeps the request, then preempt it")
         hash_len = self.hash_len
         for sr in step.requests:
             req = self._req(sr.request_id)

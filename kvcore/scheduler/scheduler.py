@@ -493,8 +493,17 @@ class OffloadScheduler:
                                     "describe the step with kvcore.StepInput")
         _validate.check_unique(step)
         _validate.check_allocated(self.config, step.allocated_ids)
+        # A request preempted in the step that hands out its queued load (after_alloc):
+        # the workers submit the load after the step's flush, into blocks the preemption
+        # frees, which the next step may give to another request with no fence on them.
+        queued = {p.request_id for p in self._queued_loads} if step.preempted else set()
         for request_id in step.preempted:
             self._req(request_id)
+            if request_id in queued:
+                raise BadStepError(f"request {request_id!r} is preempted in the step that "
+                                   "hands out its queued load (after_alloc), which would "
+                                   "write the blocks preemption frees; hand the load out "
+                                   "with a step that keeps the request, then preempt it")
         # The C pass vouches for the usual step at about 0.5 us a request; at its first
         # doubt the checks below run, and they raise the error (or find none).
         vouched = step_vouch(step.requests, self._reqs, step.preempted, self._vouch_layout,

@@ -374,3 +374,110 @@ def test_connector_misuse_is_a_kvcore_error() -> None:
         KvcoreConnectorStats(data={}).aggregate(None)
     with pytest.raises(ArgumentTypeError, match=r"^build_kv_connector_stats: data="):
         KvcoreConnector.build_kv_connector_stats("xy")  # type: ignore[arg-type]
+
+
+# -- found by an adversarial review of the connector ------------------------------------
+
+
+def test_an_out_of_range_id_without_a_load_is_refused_at_once() -> None:
+    """With no external tokens the call queued no load, so nothing checked the ids, and
+    they were kept for the next step's allocated_ids: that step refused them, and so did
+    every step after it (the set is cleared only by a step that succeeds). Now the call
+    itself is refused, keeps nothing, and the connector goes on. Mutant: the id check
+    moved back to the next step."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvcore.spec.errors import BlockIdError
+    h = _one_group()
+    b = h.new_request("B", list(range(17)))
+    assert h.sched.get_num_new_matched_tokens(b.request, 0) == (0, False)
+    for bad in (64, -3):
+        with pytest.raises(BlockIdError, match=r"^update_state_after_alloc: "):
+            h.sched.update_state_after_alloc(b.request, KVCacheBlocks(([KVCacheBlock(bad)],)),
+                                             0)
+    assert h.sched.sched._allocated == set()
+    h.admit(b)
+    h.step({"B": 16})  # the connector still steps
+
+
+@pytest.mark.parametrize("blocks", ["no groups", "None"])
+def test_blocks_that_are_not_one_list_per_group_are_named(blocks: str) -> None:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    from kvcore.spec.errors import ArgumentTypeError, BadStepError
+    h = _one_group()
+    b = h.new_request("B", list(range(17)))
+    h.sched.get_num_new_matched_tokens(b.request, 0)
+    error = BadStepError if blocks == "no groups" else ArgumentTypeError
+    with pytest.raises(error, match=r"^update_state_after_alloc: blocks"):
+        h.sched.update_state_after_alloc(
+            b.request, KVCacheBlocks(()) if blocks == "no groups" else None, 0)
+    assert h.sched.sched._allocated == set()
+
+
+def test_a_refused_first_lookup_leaves_nothing_tracked() -> None:
+    """The connector registers a request at its first lookup; a lookup refused (a
+    negative or too large computed count) left it tracked by both halves."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from kvcore.spec.errors import KVCoreError
+    h = _one_group()
+    req = Request("X", list(range(17)), SamplingParams(max_tokens=4), None,
+                  block_hasher=get_request_block_hasher(BLOCK, sha256))
+    for computed in (-1, 999):
+        with pytest.raises(KVCoreError):
+            h.sched.get_num_new_matched_tokens(req, computed)
+        assert h.sched.sched.scheduler.tracked_requests() == frozenset()
+        assert h.sched.sched._requests == {}
+    assert h.sched.get_num_new_matched_tokens(req, 0) == (0, False)  # and then it works
+
+
+def test_shutdown_hands_over_the_reports_of_the_jobs_it_waited_for() -> None:
+    """shutdown() closed the engine without polling it, so the jobs it finished were
+    never reported: after registering new KV caches (as the refusal to register twice
+    tells a caller to do), the store stayed in flight for good, its request stayed
+    tracked after finishing, and every request sharing its prefix was deferred at every
+    step. Mutant: shutdown without the poll."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    h = _one_group()
+    a = h.new_request("A", list(range(33)))
+    h.admit(a)
+    h.alloc(a, 32)
+    a.request.num_computed_tokens = 0
+    out = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData.from_request(a.request,
+                                                        tuple(list(t) for t in a.tables))],
+        scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={"A": 32},
+        total_num_scheduled_tokens=32, scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+        preempted_req_ids=set())
+    meta = h.sched.build_connector_meta(out)
+    assert meta.stores
+    w = h.worker
+    w.bind_connector_metadata(meta)
+    w.handle_preemptions(meta)
+    w.start_load_kv(None)
+    w.wait_for_save()
+    w.shutdown()
+    w.register_kv_caches(h.kv)
+    w.clear_connector_metadata()
+    result = w.get_transfer_results(set())
+    h.sched.update_connector_output(KVConnectorOutput(
+        finished_recving=result.finished_recving,
+        kv_connector_worker_meta=w.build_connector_worker_meta()))
+    assert not h.sched.has_pending_push_work()
+    h.sched.request_finished(a.request, [])
+    assert h.sched.sched.scheduler.tracked_requests() == frozenset()
+    b = h.new_request("B", list(range(33)))
+    assert h.sched.get_num_new_matched_tokens(b.request, 0) == (32, True)
+
+
+def test_a_group_with_no_kv_bytes_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"^kv_cache_groups: group 0 has no KV bytes"):
+        translate(vllm_config({"cpu_bytes": 64 * PAGE}),
+                  kv_cache_config(16, [KVCacheGroupSpec([], attention())]))

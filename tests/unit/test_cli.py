@@ -111,6 +111,15 @@ def test_bad_config_names_the_field(tmp_path: Path, text: str, field: str,
     assert field in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("path", ["/tmp/a\0b", 5, None, b"layout.toml"])
+def test_a_path_no_file_can_have_is_a_config_error(path: object) -> None:
+    """A NUL byte (os.stat's bare ValueError), an int (read as a file descriptor), None
+    or bytes (bare TypeErrors): each a ConfigError naming ``config``."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path)  # type: ignore[arg-type]
+    assert info.value.field == "config"
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_are_valid(name: str) -> None:
     assert preset(name).groups

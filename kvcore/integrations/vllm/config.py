@@ -176,6 +176,11 @@ def translate(vllm_config: Any, kv_cache_config: Any) -> ConnectorOptions:
         groups.append(GroupSpec(kind, tpb, bpc, window_tokens=window, is_draft=gid in drafts,
                                 extra_retained_tokens=retained, name=f"vllm-group-{gid}"))
         chunk_bytes.append(_bytes_per_block(group) * bpc)
+    empty = [gid for gid, n in zip(offloaded, chunk_bytes, strict=True) if n <= 0]
+    if empty:
+        raise ConfigError("kv_cache_groups", f"group {empty[0]} has no KV bytes on this rank "
+                          "(no layers, or layers of size 0): nothing of it can be offloaded; "
+                          "check the model's KV cache config")
     cpu_bytes = _positive_int(extra, "cpu_bytes", None)
     num_cpu_blocks = cpu_bytes // sum(chunk_bytes)
     if num_cpu_blocks < 1:

@@ -19,6 +19,7 @@ from kvcore.integrations.vllm.config import ConnectorOptions
 from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWorkerMetadata
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import OffloadScheduler
+from kvcore.scheduler._validate import check_allocated
 from kvcore.spec.errors import ArgumentTypeError, BadStepError, UnknownRequestError
 from kvcore.spec.hooks import OutputResult, RequestInfo, ScheduledRequest, StepInput
 from kvcore.spec.types import PENDING, Key, key_hash
@@ -72,6 +73,11 @@ class SchedulerSide:
         # vLLM's block hashes are bytes; they pass unconverted, so anything else is
         # refused by name (bytes(8) would be eight zero bytes: every such request's keys
         # would collide).
+        if not isinstance(request.block_hashes, list | tuple):
+            raise ArgumentTypeError("on_new_request", "request.block_hashes",
+                                    request.block_hashes, "list of bytes",
+                                    "enable prefix caching, which gives each request its "
+                                    "block hashes")
         hashes = tuple(request.block_hashes)
         params = request.kv_transfer_params
         if params is not None and not isinstance(params, dict):
@@ -96,11 +102,18 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int,
                                    max_num_new_tokens: int | None = None
                                    ) -> tuple[int | None, bool]:
-        if request.request_id not in self._requests:
+        rid = request.request_id
+        fresh = rid not in self._requests
+        if fresh:
             self.on_new_request(request)
-        self._sync_hashes(request)
-        hit = self.scheduler.lookup(request.request_id, num_computed_tokens,
-                                    request.num_tokens, max_tokens=max_num_new_tokens)
+        try:
+            self._sync_hashes(request)
+            hit = self.scheduler.lookup(rid, num_computed_tokens, request.num_tokens,
+                                        max_tokens=max_num_new_tokens)
+        except Exception:
+            if fresh:  # a refused first lookup leaves nothing tracked (it changes nothing)
+                self._forget(rid)
+            raise
         if hit is PENDING or not isinstance(hit, int):
             return None, False
         self._local_hit[request.request_id] = num_computed_tokens
@@ -115,9 +128,22 @@ class SchedulerSide:
         if rid not in self._requests:
             raise UnknownRequestError(f"update_state_after_alloc: request {rid!r} was never "
                                       "looked up (get_num_new_matched_tokens)")
-        tables = [[int(b.block_id) for b in blocks.blocks[gid]]
-                  for gid in self.options.group_ids]
-        new = [int(b.block_id) for group in blocks.blocks for b in group if b.block_id]
+        per_group = getattr(blocks, "blocks", None)
+        if not isinstance(per_group, list | tuple):
+            raise ArgumentTypeError("update_state_after_alloc", "blocks", blocks,
+                                    "KVCacheBlocks", "pass the blocks vLLM's KV cache "
+                                    "manager allocated")
+        if len(per_group) <= max(self.options.group_ids):
+            raise BadStepError(f"update_state_after_alloc: blocks holds {len(per_group)} "
+                               "block lists, but the KV-cache config has groups up to "
+                               f"{max(self.options.group_ids)}; pass one list per group")
+        tables = [[int(b.block_id) for b in per_group[gid]] for gid in self.options.group_ids]
+        new = [int(b.block_id) for group in per_group for b in group if b.block_id]
+        # Checked now, not at the next step: ids kept here go into that step's
+        # allocated_ids, and one out of range would make every later step refuse it.
+        if new:
+            check_allocated(self.options.config, frozenset(new),
+                            where="update_state_after_alloc")
         if num_external_tokens != 0:
             local = self._local_hit.get(rid, 0)
             valid = [local // g.tokens_per_block for g in self.options.config.groups]
@@ -185,10 +211,13 @@ class SchedulerSide:
         """GPU blocks are freed at once: stores still reading them are fenced."""
         rid = request.request_id
         if rid in self._requests:
-            self.scheduler.request_finished(rid)
-            for table in (self._requests, self._hashes_sent, self._local_hit):
-                table.pop(rid, None)
+            self._forget(rid)
         return False, None
+
+    def _forget(self, rid: str) -> None:
+        self.scheduler.request_finished(rid)
+        for table in (self._requests, self._hashes_sent, self._local_hit):
+            table.pop(rid, None)
 
     def reset_cache(self) -> bool:
         """Drop the CPU tier; the next step's metadata makes the workers wait for every job."""

@@ -52,6 +52,9 @@ class WorkerSide:
         self._reports: list[WorkerReport] = []
         self._failed_requests: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # Loads an engine finished before shutdown() closed it: vLLM hears of them at the
+        # next get_finished (of the engine registered after it).
+        self._recving_owed: set[str] = set()
         # The step metadata whose loads / stores were submitted last: vLLM calls each hook
         # once per step, and a second call would submit every job again (one reference
         # each, so nothing grows).
@@ -120,8 +123,14 @@ class WorkerSide:
             engine.submit(plan)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        finished_recving = self._collect(self._engine().poll()) | self._recving_owed
+        self._recving_owed = set()
+        return set(), finished_recving
+
+    def _collect(self, results: list[Any]) -> set[str]:
+        """Reports for finished jobs; the requests whose loads they were."""
         finished_recving: set[str] = set()
-        for result in self._engine().poll():
+        for result in results:
             self._reports.append(WorkerReport(self.options.rank, result.job_id,
                                               result.success, result.bytes, result.seconds))
             plan = self._plans.pop(result.job_id, None)
@@ -132,7 +141,7 @@ class WorkerSide:
                 self._failed_requests.add(plan.request_id)
                 if len(plan.groups) == 1:
                     self._failed_blocks.update(plan.groups[0].gpu_block_ids)
-        return set(), finished_recving
+        return finished_recving
 
     def get_transfer_results(self) -> Any:
         _, recving = self.get_finished()
@@ -156,6 +165,11 @@ class WorkerSide:
             self.transfer.wait(list(self._plans), timeout)
 
     def shutdown(self) -> None:
+        """Close the engine once its jobs finish; their reports are still owed to the
+        scheduler (``build_worker_meta``), and its loads to vLLM (``get_finished``):
+        dropped, a store's keys stay WRITING and a load's request waits forever."""
         if self.transfer is not None:
-            self.transfer.close()
+            engine = self.transfer
+            engine.close()
             self.transfer = None
+            self._recving_owed |= self._collect(engine.poll())
