@@ -96,10 +96,12 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> OffloadC
 
 def load_config(path: str | Path) -> OffloadConfig:
     """Read and validate a TOML layout file."""
-    if not isinstance(path, str | Path):
+    if not isinstance(path, str | os.PathLike) or \
+            not isinstance(fspath := os.fspath(path), str):
         raise ConfigError("config", f"the path is a {type(path).__name__}; name a TOML "
-                          "layout file as a str or Path (an int would be read as a file "
-                          "descriptor)")
+                          "layout file as a str or a path object (an int would be read as "
+                          "a file descriptor)")
+    path = fspath
     if str(path) == "":
         raise ConfigError("config", "the path is empty; name a TOML layout file (an unset "
                           "variable in `--config $LAYOUT`?)")

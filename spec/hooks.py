@@ -268,7 +268,9 @@ class StepInput:
                     raise ArgumentTypeError(where, f"requests[{i}]", sr, "ScheduledRequest",
                                             "describe each scheduled request with one")
                 # An engine's own subclass is served too, but checked by kvcore's rules:
-                # an override of __post_init__ cannot skip them.
+                # an override of __post_init__ cannot skip them, and a field it redefines
+                # (a property could answer differently at each read) is refused.
+                _check_plain_subclass(where, f"requests[{i}]", sr)
                 ScheduledRequest.__post_init__(sr)
         preempted = _sequence(where, "preempted", self.preempted, "request ids")
         for rid in preempted:
@@ -288,6 +290,30 @@ class StepInput:
         object.__setattr__(self, "requests", requests)
         object.__setattr__(self, "preempted", preempted)
         object.__setattr__(self, "allocated_ids", allocated)
+
+
+# Subclasses of ScheduledRequest seen to redefine none of its fields (a few per engine;
+# bounded all the same: past the limit each is checked again, not remembered).
+_PLAIN_SUBCLASSES: set[type] = set()
+_PLAIN_SUBCLASSES_LIMIT = 64
+_READS = ("__getattribute__", "__getattr__")
+
+
+def _check_plain_subclass(where: str, name: str, sr: ScheduledRequest) -> None:
+    """Refuse a ScheduledRequest subclass that redefines a field or attribute reads: the
+    scheduler reads each field several times and trusts the answers it checked."""
+    cls = type(sr)
+    if cls in _PLAIN_SUBCLASSES:
+        return
+    fields = (*ScheduledRequest.__dataclass_fields__, *_READS)
+    for klass in cls.__mro__[:cls.__mro__.index(ScheduledRequest)]:
+        redefined = [f for f in fields if f in vars(klass)]
+        if redefined:
+            raise ArgumentTypeError(where, name, sr, "ScheduledRequest",
+                                    f"{klass.__name__} redefines {redefined[0]}; keep "
+                                    "ScheduledRequest's fields as they are in a subclass")
+    if len(_PLAIN_SUBCLASSES) < _PLAIN_SUBCLASSES_LIMIT:
+        _PLAIN_SUBCLASSES.add(cls)
 
 
 @dataclass(frozen=True)

@@ -422,8 +422,10 @@ class ReferenceScheduler:
                     valid_blocks: Sequence[int], computed_tokens: int, load_tokens: int
                     ) -> TransferPlan | None:
         """The load of ``load_tokens`` into the engine's block tables, queued for the step."""
-        req = self._check_alloc(request_id, block_ids, valid_blocks, computed_tokens,
-                                load_tokens)
+        # Only the checked copies are read from here on (the caller's lists could read
+        # differently a second time).
+        req, tables, valid = self._check_alloc(request_id, block_ids, valid_blocks,
+                                               computed_tokens, load_tokens)
         n = len(self.config.groups)
         if load_tokens == 0:
             req.looked_up = None
@@ -437,8 +439,8 @@ class ReferenceScheduler:
                 f"0 or the hit of request {request_id!r}'s latest lookup "
                 f"(computed_tokens, hit) = {req.looked_up}",
                 "pass the number lookup() returned, with the same computed_tokens, once")
-        loads = [load_blocks(self.config, g, computed_tokens, load_tokens, block_ids[g],
-                             valid_blocks[g]) for g in range(n)]
+        loads = [load_blocks(self.config, g, computed_tokens, load_tokens, tables[g],
+                             valid[g]) for g in range(n)]
         keys = self._keys(req)
         for g, (_, end_chunk, _, _) in enumerate(loads):
             if end_chunk > len(keys[g]):
@@ -467,8 +469,9 @@ class ReferenceScheduler:
 
     def _check_alloc(self, request_id: str, block_ids: Sequence[Sequence[int]],
                      valid_blocks: Sequence[int], computed_tokens: int, load_tokens: int
-                     ) -> _Request:
-        """after_alloc's arguments: types, then the request, group count and block ids."""
+                     ) -> tuple[_Request, tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """after_alloc's arguments: types, then the request, group count and block ids;
+        the request and the checked copies of the tables and counts."""
         check_request_id("after_alloc", request_id)
         tables = check_id_tables("after_alloc", "block_ids", block_ids)
         valid = check_ids("after_alloc", "valid_blocks", valid_blocks)
@@ -485,7 +488,7 @@ class ReferenceScheduler:
                 raise ArgumentRangeError("after_alloc", f"valid_blocks[{g}]", valid[g],
                                          f"0..{len(tables[g])} (the table's length)",
                                          "count only blocks present in block_ids")
-        return req
+        return req, tables, valid
 
     def _check_block_ids(self, where: str, name: str,
                          tables: Sequence[Sequence[int]]) -> None:

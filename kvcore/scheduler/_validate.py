@@ -79,8 +79,8 @@ def _first_repeat(ids: Sequence[int]) -> int | None:
     return None
 
 
-def check_allocated(cfg: OffloadConfig, ids: frozenset[int], where: str = "build_step"
-                    ) -> None:
+def check_allocated(cfg: OffloadConfig, ids: frozenset[int], where: str = "build_step",
+                    name: str = "allocated_ids") -> None:
     """Allocated ids are real blocks: ``1..num_gpu_blocks-1`` (0 is never handed out)."""
     limit = cfg.num_gpu_blocks
     if not ids:
@@ -90,7 +90,7 @@ def check_allocated(cfg: OffloadConfig, ids: frozenset[int], where: str = "build
     top = ids_max(ids)
     if top < 0 or top >= limit or 0 in ids:
         bad = min(ids) if min(ids) < 1 else max(ids)
-        raise BlockIdError(where, "allocated_ids", bad,
+        raise BlockIdError(where, name, bad,
                            f"1..{limit - 1} (num_gpu_blocks={limit}; 0 is the null block)",
                            "list only ids the engine handed out from its GPU pool")
 

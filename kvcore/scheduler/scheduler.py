@@ -377,7 +377,7 @@ class OffloadScheduler:
                 "pass the number lookup() returned, with the same computed_tokens, once")
         loads = load_plan(self.config, computed_tokens, load_tokens, tables, valid)
         keys = [req.keys[g][gl.first_chunk:gl.end_chunk] for g, gl in enumerate(loads)]
-        flat = [k for ks in keys for k in ks]
+        flat = tuple(k for ks in keys for k in ks)  # a tuple: the tier copies a list
         slots = iter(self.manager.prepare_load(flat))
         groups = tuple(GroupTransfer(gl.gpu_block_ids, gl.block_index,
                                      tuple(next(slots) for _ in keys[g]), tuple(keys[g]))

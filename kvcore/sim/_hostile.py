@@ -63,6 +63,7 @@ class Hostile:
         # The job ids after_alloc queued since the last build_step: until that step hands
         # them to the workers, a report for one or a reset must be refused.
         self.queued: list[int] = []
+        self.queued_for: list[str] = []  # their requests
         # The length of the hashes the scheduler has taken so far (read from the calls
         # that went through, not from the scheduler): once set, hashes of another length
         # must be refused (HashError) however consistent they are among themselves.
@@ -329,6 +330,7 @@ class Hostile:
         plan = s.after_alloc(request_id, tables, valid, computed, load_tokens)
         if plan is not None:
             self.queued.append(plan.job_id)
+            self.queued_for.append(plan.request_id)
         return plan
 
     def _retained(self, tables: Any, valid: Any, computed: int, load_tokens: int) -> Any:
@@ -372,7 +374,7 @@ class Hostile:
 
     def build_step(self, step: StepInput) -> Any:
         self._bounce(self._step_twins(step))
-        self.queued = []
+        self.queued, self.queued_for = [], []
         plan = self.impl.build_step(step)
         for sr in step.requests:
             self._took(sr.new_hashes)
@@ -413,6 +415,14 @@ class Hostile:
                                says="queued by after_alloc"),
                 self._arg_twin("reset: between after_alloc and build_step", None, s.reset,
                                says="between after_alloc and build_step")]
+            loading = self.queued_for[0]
+            if loading not in step.preempted:
+                # Preempted by the step that hands its load out: the load would be
+                # submitted into the blocks preemption frees.
+                twins.append(self._arg_twin(
+                    "build_step: preempting a request whose load it hands out", None,
+                    lambda: s.build_step(replace(step, preempted=(*step.preempted, loading))),
+                    says="preempted"))
         if reqs:
             first = reqs[0]
             # The last one twice: an error must name it, not the first it meets.

@@ -53,7 +53,8 @@ def _check_ints(name: str, values: object, job_id: int) -> tuple[int, ...]:
         raise TransferArgumentError(name, f"holds {size} ids; at most "
                                           f"{MAX_IDS_PER_GROUP} per group and job",
                                     value=size, bound=MAX_IDS_PER_GROUP, job_id=job_id)
-    got = tuple(list.__iter__(values) if isinstance(values, list) else tuple.__iter__(values))
+    got = values if type(values) is tuple else tuple(
+        list.__iter__(values) if isinstance(values, list) else tuple.__iter__(values))
     for v in got:
         if type(v) is not int:
             raise TransferArgumentError(name, f"holds {short_repr(v)} ({type(v).__name__}); "

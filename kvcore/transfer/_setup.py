@@ -36,7 +36,7 @@ def cpu_capacity(config: OffloadConfig, group: int) -> int:
 
 def _check_options(config: object, gpu_tensors: object, pin_memory: object,
                    cuda_method: object, max_queued_jobs: object,
-                   simulate_stream: object = None, simulate_faults: object = 0.0) -> None:
+                   simulate_stream: object, simulate_faults: object) -> None:
     """The constructor's arguments other than the tensors themselves: types and ranges."""
     if not isinstance(config, OffloadConfig):
         raise _bad("config", f"must be an OffloadConfig, not {type(config).__name__}")

@@ -481,3 +481,29 @@ def test_a_group_with_no_kv_bytes_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^kv_cache_groups: group 0 has no KV bytes"):
         translate(vllm_config({"cpu_bytes": 64 * PAGE}),
                   kv_cache_config(16, [KVCacheGroupSpec([], attention())]))
+
+
+def test_a_load_finished_before_shutdown_reaches_vllm_after_it() -> None:
+    """The loads an engine finished before shutdown() closed it are owed to vLLM: the
+    next get_finished (of the engine registered after it) names their requests, or
+    they would wait for their KV for good. Mutant: get_finished without the owed set."""
+    h = _one_group()
+    a = h.new_request("A", list(range(33)))
+    h.admit(a)
+    h.step({"A": 32})
+    h.step({"A": 1})
+    h.finish(a)
+    b = h.new_request("B", list(range(33)))
+    assert h.admit(b) == 32
+
+    def restart(meta: Any) -> None:
+        assert jobs(meta, JobKind.LOAD)
+        h.worker.shutdown()
+        h.worker.register_kv_caches(h.kv)
+
+    h.after_drain = restart
+    output = h.step({})
+    h.after_drain = None
+    assert output.finished_recving == {"B"}
+    assert h.sched.sched.scheduler.jobs_of("B") == set()
+    assert h.loads_verified >= 1  # the old engine's bytes are in the re-registered caches

@@ -749,6 +749,8 @@ REFUSALS = [
      "build_step: tokens past its hashes"),
     ("_validate_reports", "if r.job_id in queued:", "a load after_alloc queued"),
     ("reset", "if self._queued_loads:", "reset: between after_alloc and build_step"),
+    ("_validate_step", "if request_id in queued:",
+     "build_step: preempting a request whose load it hands out"),
     ("_tracked", "if type(request_id) is not str:", "jobs_of: the id in a list"),
 ]
 
@@ -760,7 +762,8 @@ def test_the_bad_calls_stage_names_each_refusal_removed(
     """Mutants: one of the scheduler's refusals removed (a hook on a finished request
     acting on freed blocks; a lookup or step past the hashes given; a load beside the
     request's own jobs; more valid blocks than the table; a step that is not a
-    StepInput; a report or a reset for a load queued but not yet handed to the workers).
+    StepInput; a report or a reset for a load queued but not yet handed to the workers,
+    or a step that preempts the request whose queued load it hands out).
     The stage's twin for it must be accepted or refused for another reason, and named."""
     from refinement.test_refinement_mutants import mutated
 

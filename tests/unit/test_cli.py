@@ -120,6 +120,16 @@ def test_a_path_no_file_can_have_is_a_config_error(path: object) -> None:
     assert info.value.field == "config"
 
 
+def test_any_path_object_names_a_layout() -> None:
+    """Not only ``str`` and ``Path``: any ``os.PathLike`` that gives a str (pytest's
+    ``tmpdir``, for one). Mutant: the type test narrowed to ``str | Path``."""
+    class Where:
+        def __fspath__(self) -> str:
+            return str(ROOT / "docs" / "example-layout.toml")
+
+    assert load_config(Where()) == load_config(ROOT / "docs" / "example-layout.toml")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_are_valid(name: str) -> None:
     assert preset(name).groups

@@ -38,10 +38,12 @@ from kvcore.spec.types import make_key
 
 
 class Liar(list):  # type: ignore[type-arg]
-    """Iterates as ``good`` for its first ``honest`` passes, then as ``bad``; indexing
-    always answers ``item`` when one is given."""
+    """Holds ``good``; its own ``__iter__`` answers ``good`` for its first ``honest``
+    calls, then ``bad``; indexing always answers ``item`` when one is given. With
+    ``honest=0`` every pass through the subclass lies, so an entry that goes back to
+    the caller's object at all (after checking its items) meets the lie."""
 
-    def __init__(self, good: list[Any], bad: list[Any] | None = None, honest: int = 1,
+    def __init__(self, good: list[Any], bad: list[Any] | None = None, honest: int = 0,
                  item: Any = None) -> None:
         super().__init__(good)
         self.bad, self.honest, self.item, self.passes = bad, honest, item, 0
@@ -72,13 +74,12 @@ def _state(tier: CPUOffloadManager) -> tuple[object, ...]:
     return (tier.stats(), tier.state_of(K1), tier.state_of(K2), tier.state_of(TOO_LONG[:68]))
 
 
-@pytest.mark.parametrize("honest", [1, 2, 3])
-def test_a_store_uses_the_keys_it_checked(honest: int) -> None:
+def test_a_store_uses_the_keys_it_checked() -> None:
     """Mutant: ``prepare_store`` iterates the caller's list again after ``check_keys``:
     a 104-byte key (the limit is 68) entered the tier, and no later call could name it,
     so its slot was lost for good."""
     tier = _tier()
-    out = tier.prepare_store(Liar([make_key(b"j" * 8, 0)], [TOO_LONG], honest))
+    out = tier.prepare_store(Liar([make_key(b"j" * 8, 0)], [TOO_LONG]))
     assert out is not None and out.keys_to_store == (make_key(b"j" * 8, 0),)
     tier.complete_store(list(out.keys_to_store))
     assert tier.stats().used == 3 and tier.stats().writing == 0
@@ -87,11 +88,11 @@ def test_a_store_uses_the_keys_it_checked(honest: int) -> None:
 @pytest.mark.parametrize("call", ["complete_load", "prepare_load", "touch", "prepare_store",
                                   "complete_store", "lookup_many"])
 def test_every_key_entry_reads_its_list_once(call: str) -> None:
-    """A list that holds one valid key but iterates as a non-key on its second pass: the
-    entry does exactly what it does for the plain list ``[K1]`` (before: bare KeyError,
+    """A list that holds one valid key but iterates as non-keys: the entry does exactly
+    what it does for the plain list ``[K1]`` (before: bare KeyError,
     ValueError or TypeError, some after a pin had changed)."""
     outcomes = []
-    for keys in (Liar([K1], [K1, 5, "s"], honest=1), [K1]):
+    for keys in (Liar([K1], [K1, 5, "s"]), [K1]):
         tier = _tier()
         if call == "complete_load":
             tier.prepare_load([K1])
@@ -103,13 +104,16 @@ def test_every_key_entry_reads_its_list_once(call: str) -> None:
     assert outcomes[0] == outcomes[1]
 
 
-def test_after_alloc_plans_with_the_counts_it_checked() -> None:
+@pytest.mark.parametrize("make", ["kvcore", "reference"])
+def test_after_alloc_plans_with_the_counts_it_checked(make: str) -> None:
     """Mutant: ``after_alloc`` hands the caller's ``valid_blocks`` to the load planner
     after checking a copy: a list whose items read 99 was accepted for a 4-block table,
     and the load it returned moved nothing while the engine was told 16 tokens."""
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
                         num_gpu_blocks=64, num_cpu_blocks=32)
-    sched = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True)
+    from kvcore.spec.model import ReferenceScheduler
+    sched: Any = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True) \
+        if make == "kvcore" else ReferenceScheduler(cfg, CPUOffloadManager.for_config(cfg))
     hashes = tuple(i.to_bytes(8, "big") for i in range(4))
     sched.add_request(RequestInfo("r0", 16, hashes))
     plan = sched.build_step(StepInput((ScheduledRequest("r0", 16, 0, 16, ((1, 2, 3, 4),)),),
@@ -125,7 +129,7 @@ def test_after_alloc_plans_with_the_counts_it_checked() -> None:
 @pytest.mark.parametrize("capacity", [[4, 4], (4,)])
 def test_a_capacity_list_is_read_once(capacity: Any) -> None:
     """Mutant: the manager keeps ``tuple(capacity)`` read again after the check."""
-    liar = Liar(list(capacity), [-1] * len(capacity), honest=1)
+    liar = Liar(list(capacity), [-1] * len(capacity))
     tier = CPUOffloadManager(liar)
     assert tier.stats().capacity == sum(capacity)
 
@@ -155,7 +159,7 @@ def test_a_plan_id_list_is_read_once_and_a_job_id_is_exactly_int() -> None:
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
                         num_gpu_blocks=64, num_cpu_blocks=32)
     with TransferEngine(cfg, [[torch.zeros(64, 16, dtype=torch.uint8)]]) as engine:
-        ids = Liar([1, 2], [1, "2"], honest=1)
+        ids = Liar([1, 2], [1, "2"])
         engine.submit(TransferPlan(1, JobKind.STORE, "r", (GroupTransfer(ids, 0, (0, 1)),)))
         assert [r.success for r in engine.wait([1], timeout=60)] == [True]
 
@@ -185,7 +189,8 @@ def test_after_alloc_refuses_a_count_past_its_table() -> None:
         sched.after_alloc("r1", ((10, 11, 12, 13),), [99], 0, 0)
 
 
-def test_a_hook_object_subclass_that_skips_its_checks_is_refused() -> None:
+@pytest.mark.parametrize("make", ["kvcore", "reference"])
+def test_a_hook_object_subclass_that_skips_its_checks_is_refused(make: str) -> None:
     """The hook objects are validated in ``__post_init__``; a subclass can replace it
     and hand in a prompt of -5 tokens and a str of hashes (tracked before, then a lookup
     failed deep inside the tier) or a report for job "x" (a bare TypeError). Mutants:
@@ -211,7 +216,9 @@ def test_a_hook_object_subclass_that_skips_its_checks_is_refused() -> None:
 
     cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
                         num_gpu_blocks=64, num_cpu_blocks=32)
-    sched = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True)
+    from kvcore.spec.model import ReferenceScheduler
+    sched: Any = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True) \
+        if make == "kvcore" else ReferenceScheduler(cfg, CPUOffloadManager.for_config(cfg))
     with pytest.raises(ArgumentTypeError, match=r"^add_request\(info\)|info"):
         sched.add_request(Unchecked("r", -5, "ab"))  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match=r"reports\[0\]"):
@@ -223,3 +230,35 @@ def test_a_hook_object_subclass_that_skips_its_checks_is_refused() -> None:
     with pytest.raises(ArgumentRangeError, match="scheduled_tokens"):
         StepInput((UncheckedRequest("r", -1, 0, 0, ()),))
     assert sched.tracked_requests() == frozenset() and sched.stats().lookups == 0
+
+
+def test_a_scheduled_request_subclass_that_redefines_a_field_is_refused() -> None:
+    """The scheduler reads a request's fields several times; a subclass whose field is a
+    property (or that overrides attribute reads) can pass the checks and answer
+    differently later: with checks off, a store of GPU id 99999 of 64 was returned.
+    Mutant: the subclass's class dictionaries not looked at."""
+    from kvcore.sim._engine import EngineScheduledRequest
+    from kvcore.spec.errors import ArgumentTypeError
+
+    class Moving(ScheduledRequest):
+        reads = 0
+
+        @property  # type: ignore[misc]
+        def new_block_ids(self) -> Any:
+            Moving.reads += 1
+            return ((1,),) if Moving.reads < 5 else ((99999,),)
+
+    class Reads(ScheduledRequest):
+        def __getattribute__(self, name: str) -> Any:
+            return object.__getattribute__(self, name)
+
+    for cls, field in ((Moving, "new_block_ids"), (Reads, "__getattribute__")):
+        sr = object.__new__(cls)
+        sr.__dict__.update(request_id="r", scheduled_tokens=4, computed_tokens=0,
+                           num_tokens=4, new_hashes=(), resumed=False)
+        if cls is Reads:
+            sr.__dict__["new_block_ids"] = ((1,),)
+        with pytest.raises(ArgumentTypeError, match=rf"redefines {field}"):
+            StepInput((sr,))
+    # The simulator's own subclass, which redefines nothing, is served.
+    StepInput((EngineScheduledRequest("r", 4, 0, 4, ((1,),)),))

@@ -140,8 +140,9 @@ def test_upstream_block_size_factor_three_middle_key() -> None:
 
 
 def test_a_chunk_is_read_whole_and_a_leading_null_reaches_b1() -> None:
-    """The offer never offers a chunk with a null block; if it did (the W24 mutant of the
-    refinement machine), the null id reaches the plan whole and B1 refuses it."""
+    """The chunk's ids as they are, nulls included: the offer never offers a chunk with
+    a null block, and if it did (the refinement machine's W24 mutant), the null id would
+    reach the plan whole, where B1 names it. Mutant: a slice one position off."""
     table = (0, 0, 7, 8, 9, 10)
     assert chunk_source_blocks(table, 0, 3) == (0, (0, 0, 7))
     assert chunk_source_blocks(table, 1, 3) == (3, (8, 9, 10))

@@ -179,8 +179,9 @@ def translate(vllm_config: Any, kv_cache_config: Any) -> ConnectorOptions:
     empty = [gid for gid, n in zip(offloaded, chunk_bytes, strict=True) if n <= 0]
     if empty:
         raise ConfigError("kv_cache_groups", f"group {empty[0]} has no KV bytes on this rank "
-                          "(no layers, or layers of size 0): nothing of it can be offloaded; "
-                          "check the model's KV cache config")
+                          "(no layers, or layers of size 0), so its chunks cannot be copied; "
+                          "under pipeline parallelism a rank may hold none of a group's "
+                          "layers, which kvcore's connector does not support yet")
     cpu_bytes = _positive_int(extra, "cpu_bytes", None)
     num_cpu_blocks = cpu_bytes // sum(chunk_bytes)
     if num_cpu_blocks < 1:

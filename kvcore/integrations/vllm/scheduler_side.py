@@ -143,7 +143,7 @@ class SchedulerSide:
         # allocated_ids, and one out of range would make every later step refuse it.
         if new:
             check_allocated(self.options.config, frozenset(new),
-                            where="update_state_after_alloc")
+                            where="update_state_after_alloc", name="blocks")
         if num_external_tokens != 0:
             local = self._local_hit.get(rid, 0)
             valid = [local // g.tokens_per_block for g in self.options.config.groups]
