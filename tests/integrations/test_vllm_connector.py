@@ -507,3 +507,103 @@ def test_a_load_finished_before_shutdown_reaches_vllm_after_it() -> None:
     assert output.finished_recving == {"B"}
     assert h.sched.sched.scheduler.jobs_of("B") == set()
     assert h.loads_verified >= 1  # the old engine's bytes are in the re-registered caches
+
+
+def _stored_once() -> tuple[Harness, Any]:
+    h = _one_group()
+    a = h.new_request("A", list(range(33)))
+    h.admit(a)
+    h.step({"A": 32})
+    return h, h.last_meta.stores[0]
+
+
+@pytest.mark.parametrize("bad", ["None", "int", "str", "ints", "job 0", "job list", "kind str",
+                                 "request list", "twice", "second bad"])
+def test_a_malformed_step_metadata_submits_nothing(bad: str) -> None:
+    """The worker took the metadata's plans as they came: None or ints gave bare
+    TypeErrors; a job id 0 ran and then could not be reported, and the reports polled
+    beside it were lost; a plan refused halfway left the ones before it running with no
+    record, or a phantom job a drain then failed on for good. Each is a kvcore error
+    now, before anything is submitted, and a good step still runs. Mutant: the plans
+    checked one at a time as they are submitted."""
+    from dataclasses import replace
+
+    from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata
+    from kvcore.spec.errors import KVCoreError
+    h, store = _stored_once()
+    w = h.worker
+    worker = w.worker
+    assert worker is not None
+    stores: Any = {
+        "None": None, "int": 5, "str": "ab", "ints": (1, 2),
+        "job 0": (replace(store, job_id=0), replace(store, job_id=9002)),
+        "job list": (replace(store, job_id=[1]),),
+        "kind str": (replace(store, job_id=50, kind="STORE"),),
+        "request list": (replace(store, job_id=9004, request_id=["B"]),),
+        "twice": (replace(store, job_id=9001),) * 2,
+        "second bad": (replace(store, job_id=9003), replace(store, job_id="x")),
+    }[bad]
+    w.bind_connector_metadata(KvcoreConnectorMetadata(stores=stores))
+    with pytest.raises(KVCoreError):
+        w.wait_for_save()
+    assert worker._plans == {}
+    assert worker.transfer is not None and worker.transfer.in_flight() == []
+    w.clear_connector_metadata()
+    w.bind_connector_metadata(KvcoreConnectorMetadata(stores=(replace(store, job_id=9005),)))
+    w.wait_for_save()
+    worker.drain(timeout=60)
+    assert [r.job_id for r in worker.transfer.poll()] == [9005]
+
+
+def test_worker_metadata_and_stats_refuse_what_they_cannot_fold() -> None:
+    """Reports as a list are taken (the scheduler takes one), anything else is named;
+    stats with a count that is no int are refused before the target changes; the
+    Prometheus counters move only for a whole, valid interval and a known engine."""
+    from kvcore.integrations.vllm.metadata import KvcoreWorkerMetadata
+    from kvcore.integrations.vllm.metrics import KvcorePromMetrics
+    from kvcore.integrations.vllm.scheduler_side import KvcoreConnectorStats
+    from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError
+    listed = KvcoreWorkerMetadata([WorkerReport(0, 5)])  # type: ignore[arg-type]
+    assert listed.aggregate(KvcoreWorkerMetadata((WorkerReport(0, 6),))).reports == (
+        WorkerReport(0, 5), WorkerReport(0, 6))
+    with pytest.raises(ArgumentTypeError, match="reports"):
+        KvcoreWorkerMetadata(None)  # type: ignore[arg-type]
+    stats = KvcoreConnectorStats(data={"stores": 1, "loads": 2})
+    with pytest.raises(ArgumentTypeError):
+        stats.aggregate(KvcoreConnectorStats(data={"stores": 1, "loads": "x"}))
+    assert stats.data == {"stores": 1, "loads": 2}
+    moved: list[tuple[str, int, int]] = []
+
+    class Counter:
+        def __init__(self, name: str, idx: int) -> None:
+            self.name, self.idx = name, idx
+
+        def inc(self, value: int) -> None:
+            moved.append((self.name, self.idx, value))
+
+    prom = object.__new__(KvcorePromMetrics)
+    prom.counters = {name: {0: Counter(name, 0)} for name in ("loads", "stores")}
+    for data, idx, error in (({"loads": 2, "stores": "3"}, 0, ArgumentTypeError),
+                             ({"loads": float("inf")}, 0, ArgumentTypeError),
+                             (None, 0, ArgumentTypeError),
+                             ({"stores": 3}, 5, ArgumentRangeError)):
+        with pytest.raises(error):
+            prom.observe(data, idx)  # type: ignore[arg-type]
+    assert moved == []
+    prom.observe({"loads": 2, "stores": 0}, 0)
+    assert moved == [("loads", 0, 2)]
+
+
+def test_the_scheduler_side_names_what_is_not_vllms_object() -> None:
+    from kvcore.spec.errors import ArgumentTypeError
+    h = _one_group()
+    with pytest.raises(ArgumentTypeError, match=r"^build_connector_meta: "):
+        h.sched.build_connector_meta(None)
+    with pytest.raises(ArgumentTypeError, match=r"^update_connector_output: "):
+        h.sched.update_connector_output(None)
+    with pytest.raises(ConfigError, match=r"^kv_cache_config: "):
+        translate(vllm_config({"cpu_bytes": 64 * PAGE}), None)
+    cfg = vllm_config({"cpu_bytes": 64 * PAGE})
+    object.__setattr__(cfg.kv_transfer_config, "kv_connector_extra_config", ["cpu_bytes"])
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config: "):
+        translate(cfg, kv_cache_config(16, [KVCacheGroupSpec(["t0"], attention())]))

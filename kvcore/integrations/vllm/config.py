@@ -142,7 +142,18 @@ def _draft_groups(vllm_config: Any, kv_cache_config: Any, offloaded: tuple[int, 
 
 def translate(vllm_config: Any, kv_cache_config: Any) -> ConnectorOptions:
     """Build the ``OffloadConfig`` and options from vLLM's config objects."""
-    extra: Mapping[str, Any] = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None:
+        raise ConfigError("kv_transfer_config", "is not set; pass --kv-transfer-config with "
+                          "kv_connector KvcoreConnector")
+    extra: Mapping[str, Any] = transfer.kv_connector_extra_config or {}
+    if not isinstance(extra, Mapping) or any(type(k) is not str for k in extra):
+        raise ConfigError("kv_connector_extra_config", f"is {type(extra).__name__} "
+                          f"{str(extra)[:60]}; pass a dict of option names to values, e.g. "
+                          '{"cpu_bytes": 8000000000}')
+    if kv_cache_config is None or not hasattr(kv_cache_config, "kv_cache_groups"):
+        raise ConfigError("kv_cache_config", f"is {type(kv_cache_config).__name__}; the "
+                          "connector needs vLLM's KVCacheConfig of the engine")
     unknown = sorted(set(extra) - KNOWN_KEYS)
     if unknown:
         raise ConfigError("kv_connector_extra_config",

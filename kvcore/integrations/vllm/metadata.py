@@ -40,6 +40,17 @@ class KvcoreWorkerMetadata(v.KVConnectorWorkerMetadata):  # type: ignore[misc]
 
     reports: tuple[WorkerReport, ...] = field(default_factory=tuple)
 
+    def __post_init__(self) -> None:
+        # A list of reports is taken (the scheduler takes one); anything else is named
+        # here, not by a concatenation failing when vLLM folds the ranks.
+        reports = self.reports
+        if not isinstance(reports, tuple | list) or any(
+                type(r) is not WorkerReport for r in reports):
+            raise ArgumentTypeError("KvcoreWorkerMetadata", "reports", reports,
+                                    "a tuple of WorkerReport",
+                                    "build each report with kvcore.WorkerReport")
+        self.reports = tuple(reports)
+
     def aggregate(self, other: Any) -> KvcoreWorkerMetadata:
         if not isinstance(other, KvcoreWorkerMetadata):
             raise ArgumentTypeError("KvcoreWorkerMetadata.aggregate", "other", other,

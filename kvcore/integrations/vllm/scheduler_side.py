@@ -17,6 +17,7 @@ from typing import Any
 from kvcore.integrations.vllm import _compat as v
 from kvcore.integrations.vllm.config import ConnectorOptions
 from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWorkerMetadata
+from kvcore.integrations.vllm.metrics import check_counts
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._validate import check_allocated
@@ -38,15 +39,19 @@ class KvcoreConnectorStats(v.KVConnectorStats):  # type: ignore[misc]
             raise ArgumentTypeError("KvcoreConnectorStats.aggregate", "other", other,
                                     "KvcoreConnectorStats", "aggregate stats of "
                                     "KvcoreConnector only")
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+        # Both sides checked before either changes: a bad count halfway through left
+        # the target half summed.
+        mine = check_counts("KvcoreConnectorStats.aggregate", self.data)
+        theirs = check_counts("KvcoreConnectorStats.aggregate", other.data)
+        for name, value in theirs.items():
+            mine[name] = mine.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        return dict(check_counts("KvcoreConnectorStats.reduce", self.data))
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(check_counts("KvcoreConnectorStats.is_empty", self.data).values())
 
 
 class SchedulerSide:
@@ -189,6 +194,9 @@ class SchedulerSide:
         return StepInput(tuple(scheduled), preempted, frozenset(allocated))
 
     def build_connector_meta(self, out: Any) -> KvcoreConnectorMetadata:
+        if not hasattr(out, "scheduled_new_reqs") or not hasattr(out, "scheduled_cached_reqs"):
+            raise ArgumentTypeError("build_connector_meta", "scheduler_output", out,
+                                    "SchedulerOutput", "pass vLLM's SchedulerOutput")
         plan = self.scheduler.build_step(self.step_input(out))
         self._allocated.clear()
         flush = tuple(sorted(set(plan.flush) | set(self._reset_flush)))
@@ -196,6 +204,9 @@ class SchedulerSide:
         return KvcoreConnectorMetadata(plan.loads, plan.stores, flush)
 
     def update_connector_output(self, output: Any) -> OutputResult:
+        if not hasattr(output, "kv_connector_worker_meta"):
+            raise ArgumentTypeError("update_connector_output", "output", output,
+                                    "KVConnectorOutput", "pass vLLM's KVConnectorOutput")
         meta = output.kv_connector_worker_meta
         if meta is None:
             return OutputResult()

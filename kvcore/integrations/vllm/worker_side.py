@@ -18,10 +18,11 @@ import torch
 from kvcore.integrations.vllm import _compat as v
 from kvcore.integrations.vllm.config import ConnectorOptions
 from kvcore.integrations.vllm.metadata import KvcoreConnectorMetadata, KvcoreWorkerMetadata
-from kvcore.spec.errors import CallOrderError, ConfigError
+from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, CallOrderError, ConfigError
 from kvcore.spec.hooks import WorkerReport
 from kvcore.spec.plans import JobKind, TransferPlan
 from kvcore.transfer import TransferEngine
+from kvcore.transfer._plans import check_plan
 
 
 def block_major_views(name: str, t: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
@@ -40,6 +41,26 @@ def block_major_views(name: str, t: torch.Tensor, num_blocks: int) -> list[torch
     raise ConfigError(f"kv_caches[{name!r}]",
                       f"shape {tuple(t.shape)} has no block dimension of {num_blocks} "
                       "blocks; use a block-major KV layout (VLLM_KV_CACHE_LAYOUT=LBHNC)")
+
+
+def _plans_of(where: str, plans: object) -> tuple[TransferPlan, ...]:
+    """A step's loads or stores, each a TransferPlan the engine would take, with a job id
+    a report can carry (1 and up) and a request id, no id twice: checked whole before
+    any is submitted (one refused halfway left the earlier ones running unrecorded, and
+    a job id 0 ran and then could not be reported, losing the reports beside it)."""
+    if not isinstance(plans, tuple | list):
+        raise ArgumentTypeError(where, "plans", plans, "a tuple of TransferPlan",
+                                "bind the metadata build_connector_meta returned")
+    batch = tuple(check_plan(plan) for plan in plans)
+    seen: set[int] = set()
+    for i, plan in enumerate(batch):
+        if plan.job_id < 1 or type(plan.request_id) is not str or plan.job_id in seen:
+            raise ArgumentRangeError(where, f"plans[{i}]", plan.job_id,
+                                     "a job id of 1 or more, once per step, with a str "
+                                     "request id", "bind the metadata build_connector_meta "
+                                     "returned")
+        seen.add(plan.job_id)
+    return batch
 
 
 class WorkerSide:
@@ -109,18 +130,21 @@ class WorkerSide:
         self._stores_of = meta
 
     def _submit(self, where: str, meta: KvcoreConnectorMetadata,
-                plans: tuple[TransferPlan, ...], last: KvcoreConnectorMetadata | None) -> None:
+                plans: object, last: KvcoreConnectorMetadata | None) -> None:
         """Submit one step's plans once. A repeat, for the same metadata or for a job this
         rank still holds, is refused before any plan is submitted: run twice, a job is
-        reported twice and the scheduler refuses both reports."""
+        reported twice and the scheduler refuses both reports. Every plan's own types
+        are checked before the first is submitted, so a refused step submits nothing
+        and leaves no job this rank would wait for or report."""
         engine = self._engine()
-        again = [p.job_id for p in plans if p.job_id in self._plans]
-        if plans and (meta is last or again):
-            raise CallOrderError(where, f"this step's jobs {again or [p.job_id for p in plans]}"
+        batch = _plans_of(where, plans)
+        again = [p.job_id for p in batch if p.job_id in self._plans]
+        if batch and (meta is last or again):
+            raise CallOrderError(where, f"this step's jobs {again or [p.job_id for p in batch]}"
                                  " were submitted already; vLLM calls it once per step")
-        for plan in plans:
-            self._plans[plan.job_id] = plan
+        for plan in batch:
             engine.submit(plan)
+            self._plans[plan.job_id] = plan
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         finished_recving = self._collect(self._engine().poll()) | self._recving_owed
