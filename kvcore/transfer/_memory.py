@@ -197,7 +197,7 @@ def _check_buffer(buf: object, where: str, nbytes: int, pinned: bool) -> torch.T
     if buf.device.type != "cpu":
         raise _bad(where, f"is on {buf.device}; the CPU tier lives in host memory")
     _pool_of(buf, where, torch.device("cpu"))  # its storage must cover it
-    if buf.numel() > 1 and buf.stride(0) != 1:
+    if not buf.is_contiguous():  # 1-D by now: stride 1, or at most one byte
         raise _bad(where, f"is not contiguous (stride {buf.stride(0)})", value=buf.stride(0),
                    bound=1)
     if buf.numel() != nbytes:
