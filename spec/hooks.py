@@ -414,6 +414,15 @@ def check_key(where: str, key: object) -> None:
         raise BadKeyError(where, key, MAX_KEY_BYTES)
 
 
+def own_items(seq: list[object] | tuple[object, ...]) -> tuple[object, ...]:
+    """A list's or tuple's items as a tuple, read once through the built-in type's own
+    iterator: a subclass's ``__iter__`` could answer differently from one read to the
+    next, and the caller keeps and checks this copy instead."""
+    if type(seq) is tuple:
+        return seq
+    return tuple(list.__iter__(seq) if isinstance(seq, list) else tuple.__iter__(seq))
+
+
 def check_keys(where: str, keys: object) -> tuple[bytes, ...]:
     """The keys as a tuple, checked; raise unless ``keys`` is a list or tuple of valid
     keys (a ``str`` or ``bytes`` is not a sequence of keys: iterating it would give
@@ -424,16 +433,10 @@ def check_keys(where: str, keys: object) -> tuple[bytes, ...]:
     store), and a list can change while a policy runs. The copy reads the list's or
     tuple's own items (``list.__iter__``), not what a subclass's ``__iter__`` says.
     """
-    got: tuple[bytes, ...]
-    if type(keys) is tuple:
-        got = keys
-    elif isinstance(keys, list):
-        got = tuple(list.__iter__(keys))
-    elif isinstance(keys, tuple):
-        got = tuple(tuple.__iter__(keys))
-    else:
+    if not isinstance(keys, list | tuple):
         raise ArgumentTypeError(where, "keys", keys, "a list or tuple of bytes keys",
                                 "wrap the keys in a list")
+    got = cast("tuple[bytes, ...]", own_items(keys))
     # Two C passes (types, then lengths into a set, usually of one size), not three.
     if got and _scan_bytes(got, MAX_KEY_BYTES) < 0 and (
             not set(map(type, got)) <= _BYTES
@@ -464,8 +467,7 @@ def check_capacity(capacity: object) -> int | tuple[int, ...]:
     list subclass could iterate differently the second time).
     """
     if isinstance(capacity, list | tuple):
-        per_group = tuple(list.__iter__(capacity) if isinstance(capacity, list)
-                          else tuple.__iter__(capacity))
+        per_group = own_items(capacity)
         if len(per_group) == 0 or len(per_group) > MAX_GROUPS:
             raise ConfigError("capacity", f"capacity has {len(per_group)} per-group entries; "
                               f"give one per group, 1..{MAX_GROUPS}, or one int for all")

@@ -13,12 +13,14 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from kvcore import _native
 from kvcore._native import DescriptorTable, ErrorRecord, Side, Status
 from kvcore.spec.errors import KVCopyError, TransferArgumentError
+from kvcore.spec.hooks import own_items
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, chunks_spanned
 from kvcore.spec.types import OffloadConfig
 
@@ -53,8 +55,7 @@ def _check_ints(name: str, values: object, job_id: int) -> tuple[int, ...]:
         raise TransferArgumentError(name, f"holds {size} ids; at most "
                                           f"{MAX_IDS_PER_GROUP} per group and job",
                                     value=size, bound=MAX_IDS_PER_GROUP, job_id=job_id)
-    got = values if type(values) is tuple else tuple(
-        list.__iter__(values) if isinstance(values, list) else tuple.__iter__(values))
+    got = cast("tuple[int, ...]", own_items(values))
     for v in got:
         if type(v) is not int:
             raise TransferArgumentError(name, f"holds {short_repr(v)} ({type(v).__name__}); "

@@ -59,6 +59,22 @@ class Liar(list):  # type: ignore[type-arg]
 
 
 K1, K2 = make_key(b"h" * 8, 0), make_key(b"i" * 8, 0)
+ONE_GROUP = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
+                          num_gpu_blocks=64, num_cpu_blocks=32)
+
+
+def _scheduler(make: str) -> Any:
+    """kvcore's scheduler (checks on) or the reference, on the one-group layout."""
+    from kvcore.spec.model import ReferenceScheduler
+    manager = CPUOffloadManager.for_config(ONE_GROUP)
+    if make == "kvcore":
+        return OffloadScheduler(ONE_GROUP, manager, check=True)
+    return ReferenceScheduler(ONE_GROUP, manager)
+
+
+def _unchecked(cls: type) -> Any:
+    """A subclass of a hook object whose ``__post_init__`` checks nothing."""
+    return type(f"Unchecked{cls.__name__}", (cls,), {"__post_init__": lambda self: None})
 TOO_LONG = b"z" * 100 + bytes(4)
 
 
@@ -109,11 +125,7 @@ def test_after_alloc_plans_with_the_counts_it_checked(make: str) -> None:
     """Mutant: ``after_alloc`` hands the caller's ``valid_blocks`` to the load planner
     after checking a copy: a list whose items read 99 was accepted for a 4-block table,
     and the load it returned moved nothing while the engine was told 16 tokens."""
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
-                        num_gpu_blocks=64, num_cpu_blocks=32)
-    from kvcore.spec.model import ReferenceScheduler
-    sched: Any = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True) \
-        if make == "kvcore" else ReferenceScheduler(cfg, CPUOffloadManager.for_config(cfg))
+    sched = _scheduler(make)
     hashes = tuple(i.to_bytes(8, "big") for i in range(4))
     sched.add_request(RequestInfo("r0", 16, hashes))
     plan = sched.build_step(StepInput((ScheduledRequest("r0", 16, 0, 16, ((1, 2, 3, 4),)),),
@@ -156,9 +168,7 @@ def test_a_plan_id_list_is_read_once_and_a_job_id_is_exactly_int() -> None:
     which ``wait`` refuses later, for an id the caller never passed to it."""
     from kvcore.transfer import TransferEngine
 
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
-                        num_gpu_blocks=64, num_cpu_blocks=32)
-    with TransferEngine(cfg, [[torch.zeros(64, 16, dtype=torch.uint8)]]) as engine:
+    with TransferEngine(ONE_GROUP, [[torch.zeros(64, 16, dtype=torch.uint8)]]) as engine:
         ids = Liar([1, 2], [1, "2"])
         engine.submit(TransferPlan(1, JobKind.STORE, "r", (GroupTransfer(ids, 0, (0, 1)),)))
         assert [r.success for r in engine.wait([1], timeout=60)] == [True]
@@ -181,9 +191,7 @@ def test_a_too_long_key_after_the_check_is_still_refused_later() -> None:
 
 def test_after_alloc_refuses_a_count_past_its_table() -> None:
     """The plain form of the liar's 99: refused by range, before any state changes."""
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
-                        num_gpu_blocks=64, num_cpu_blocks=32)
-    sched = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg))
+    sched = OffloadScheduler(ONE_GROUP, CPUOffloadManager.for_config(ONE_GROUP))
     sched.add_request(RequestInfo("r1", 16, tuple(i.to_bytes(8, "big") for i in range(4))))
     with pytest.raises(ArgumentRangeError, match=r"valid_blocks\[0\]"):
         sched.after_alloc("r1", ((10, 11, 12, 13),), [99], 0, 0)
@@ -198,37 +206,17 @@ def test_a_hook_object_subclass_that_skips_its_checks_is_refused(make: str) -> N
     taken without the base's checks."""
     from kvcore.spec.errors import ArgumentTypeError
 
-    class Unchecked(RequestInfo):
-        def __post_init__(self) -> None:
-            pass
-
-    class UncheckedReport(WorkerReport):
-        def __post_init__(self) -> None:
-            pass
-
-    class UncheckedStep(StepInput):
-        def __post_init__(self) -> None:
-            pass
-
-    class UncheckedRequest(ScheduledRequest):
-        def __post_init__(self) -> None:
-            pass
-
-    cfg = OffloadConfig(groups=(GroupSpec(GroupKind.FULL, 4),), hash_block_tokens=4,
-                        num_gpu_blocks=64, num_cpu_blocks=32)
-    from kvcore.spec.model import ReferenceScheduler
-    sched: Any = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True) \
-        if make == "kvcore" else ReferenceScheduler(cfg, CPUOffloadManager.for_config(cfg))
-    with pytest.raises(ArgumentTypeError, match=r"^add_request\(info\)|info"):
-        sched.add_request(Unchecked("r", -5, "ab"))  # type: ignore[arg-type]
+    sched = _scheduler(make)
+    with pytest.raises(ArgumentTypeError, match=r"^add_request: info="):
+        sched.add_request(_unchecked(RequestInfo)("r", -5, "ab"))  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match=r"reports\[0\]"):
-        sched.worker_output([UncheckedReport(0, "x")])  # type: ignore[arg-type]
+        sched.worker_output([_unchecked(WorkerReport)(0, "x")])  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match="step"):
-        sched.build_step(UncheckedStep(("nothing",)))  # type: ignore[arg-type]
+        sched.build_step(_unchecked(StepInput)(("nothing",)))  # type: ignore[arg-type]
     # An engine's own ScheduledRequest type is served (the simulator has one), but
     # checked by kvcore's rules whatever its __post_init__ says.
     with pytest.raises(ArgumentRangeError, match="scheduled_tokens"):
-        StepInput((UncheckedRequest("r", -1, 0, 0, ()),))
+        StepInput((_unchecked(ScheduledRequest)("r", -1, 0, 0, ()),))
     assert sched.tracked_requests() == frozenset() and sched.stats().lookups == 0
 
 
