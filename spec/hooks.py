@@ -405,8 +405,6 @@ class SchedulerStats:
 # A key is a hash plus the group's bytes (``make_key``); anything longer is not a key.
 MAX_KEY_BYTES = MAX_HASH_BYTES + KEY_GROUP_BYTES
 
-_BYTES = frozenset({bytes})
-
 
 def check_key(where: str, key: object) -> None:
     """Raise BadKeyError unless ``key`` is ``bytes`` of 1..MAX_KEY_BYTES (a type check)."""

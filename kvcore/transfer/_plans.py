@@ -21,7 +21,7 @@ from kvcore import _native
 from kvcore._native import DescriptorTable, ErrorRecord, Side, Status
 from kvcore.spec.errors import KVCopyError, TransferArgumentError
 from kvcore.spec.hooks import own_items
-from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan, chunks_spanned
+from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import OffloadConfig
 
 from ._memory import _bad, _Registered
@@ -127,7 +127,10 @@ def _check_group_ranges(plan: TransferPlan, g: int, grp: _GroupIds, bpc: int,
         raise _kv_error(f"{ctx}: block_index={grp.block_index} is negative; no bytes were "
                         "copied.", Status.E_NEGATIVE, job_id=plan.job_id, group=g,
                         index=first, value=grp.block_index, bound=0)
-    expected = chunks_spanned(len(grp.ids), grp.block_index, bpc)
+    # The chunk ordinal of the last GPU block, plus one: kvcore's own count, not the spec's
+    # ``chunks_spanned`` that S1 judges with, so a slip in either is a disagreement.
+    lead = grp.block_index % bpc
+    expected = (lead + len(grp.ids) - 1) // bpc + 1 if grp.ids else 0
     if len(grp.slots) != expected:
         raise _kv_error(
             f"{ctx}: {len(grp.ids)} GPU blocks from block_index {grp.block_index} with "
@@ -140,7 +143,6 @@ def _check_group_ranges(plan: TransferPlan, g: int, grp: _GroupIds, bpc: int,
             if b == 0:
                 raise fail(Status.E_NULL_ROW, i, b, 1, gpu_side)
             raise fail(Status.E_ROW_RANGE, i, b, num_gpu_blocks, gpu_side)
-    lead = grp.block_index % bpc
     for c, s in enumerate(grp.slots):
         if not 0 <= s < num_cpu_blocks:
             raise fail(Status.E_ROW_RANGE, max(0, c * bpc - lead), s, num_cpu_blocks, cpu_side)
