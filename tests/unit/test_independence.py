@@ -13,7 +13,19 @@ and the implementation compute each rule apart. This test parses (``ast``) every
   function re-exported through ``invariants`` is caught), plus the named dataclasses of
   ``ALLOWED_NAMES``. ``kvcore.spec.lookup`` (the spec's hit and keep rule),
   ``kvcore.spec.model`` and the rest of ``kvcore.spec.manager_model`` are the reference's;
-- kvcore names a forbidden spec module in a string (``importlib.import_module``).
+- kvcore names a forbidden spec module in a string (``importlib.import_module``), or spec
+  names a kvcore module outside ``kvcore.spec`` in one;
+- a module reaches a forbidden object through a module it imported whole
+  (``from kvcore.spec import invariants as I`` then ``I.served_chunks``, or ``import
+  kvcore`` then ``kvcore.spec.lookup.spec_hit``): attribute chains on module names are
+  resolved like imports;
+- a module imports by a computed name (``import_module(name)``), which no walk can judge,
+  outside the two modules that must (``DYNAMIC_IMPORTERS``).
+
+The argument validators of ``kvcore.spec.hooks`` (``check_ids``, ``check_keys``, ...)
+are shared on purpose: they define the hooks' domain, not a rule, and the lock step
+compares the two sides only on calls both accept; ``tests/unit/test_lying_inputs.py`` and
+the bad-calls stage judge them directly (docs/semantics.md, "Independence").
 
 Imports inside functions count as much as top-level ones. Method: the checker is a pure
 function over {module name: source}; the real tree must pass, and each kind of leak,
@@ -25,6 +37,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -36,10 +49,13 @@ REFERENCE = frozenset({"kvcore.spec.model", "kvcore.spec.manager_model"})
 # What kvcore library code may take from kvcore.spec: whole modules of types, errors,
 # hook dataclasses, plan shapes, and invariant predicates and records ...
 ALLOWED_MODULES = frozenset({"kvcore.spec.types", "kvcore.spec.errors", "kvcore.spec.hooks",
-                             "kvcore.spec.plans", "kvcore.spec.invariants"})
+                             "kvcore.spec.invariants"})
 # ... and, from the reference manager's module, only its interface dataclasses.
 ALLOWED_NAMES = {"kvcore.spec.manager_model": frozenset({
     "ManagerEvent", "ManagerStats", "PrepareStoreResult"}),
+    # ... from the plans, the plan types: not the sequential mapping (``chunks_spanned``,
+    # ``sub_block_position``), which S1 judges plans with.
+    "kvcore.spec.plans": frozenset({"GroupTransfer", "JobKind", "TransferPlan"}),
     # ... and from the copy library's reference, the header's codes and constants.
     "kvcore.spec.descriptors": frozenset({
         "Status", "Side", "REGION_REFUSE_ROW0", "REGION_DEVICE", "I64", "U64"})}
@@ -50,8 +66,15 @@ FORBIDDEN_MODULES = ("kvcore.spec.lookup", "kvcore.spec.model", "kvcore.spec.man
 # runs the reference scheduler in lock step (R1), and the bad-calls stage's twins take the
 # chunks a lookup verified from the spec (``served_chunks``), so the error they expect
 # cannot agree with kvcore's by sharing its rule. Only these modules may.
+# The simulated engine and the engine check build their byte models from the spec's
+# sequential mapping, so the bytes they expect do not come from kvcore's copy path.
 CHECKERS = frozenset({"kvcore.sim._shadow", "kvcore.sim._lockstep", "kvcore._copycheck",
-                      "kvcore.sim._hostile"})
+                      "kvcore.sim._hostile", "kvcore.sim._engine", "kvcore._enginecheck"})
+# Modules that must import by a computed name, and why: the proof runner loads the proofs
+# package's obligation modules; the vLLM shim imports vLLM's modules by their paths.
+DYNAMIC_IMPORTERS = frozenset({"kvcore._proofs", "kvcore.integrations.vllm._compat"})
+# A string that is a whole dotted module name (not a docstring mentioning one).
+_MODULE_STRING = re.compile(r"kvcore(\.\w+)+")
 
 
 def module_name(path: Path) -> str:
@@ -85,6 +108,49 @@ def imports(module: str, source: str, is_package: bool) -> list[tuple[str, str |
                 base = ".".join([*anchor, base] if base else anchor)
             for alias in node.names:
                 out.append((base, alias.name, node.lineno))
+    return out
+
+
+def module_attributes(module: str, source: str, is_package: bool
+                      ) -> list[tuple[str, str, int]]:
+    """(module, attribute, line) for every ``alias.attr`` read where ``alias`` names a
+    module of kvcore: ``import kvcore`` + ``kvcore.spec.lookup.spec_hit`` is
+    ``("kvcore.spec.lookup", "spec_hit")``, as if imported by name."""
+    aliases: dict[str, str] = {}
+    for origin, name, _ in imports(module, source, is_package):
+        if not origin.startswith("kvcore"):
+            continue
+        if name is None:
+            aliases[origin.split(".")[0]] = origin.split(".")[0]
+        elif _is_module(f"{origin}.{name}"):
+            aliases[name] = f"{origin}.{name}"
+    tree = ast.parse(source)
+    # ``import kvcore.spec.model as m`` binds the whole path to its alias.
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name.startswith("kvcore"):
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.asname and alias.name in aliases:
+                    aliases[alias.asname] = aliases.pop(alias.name)
+    out: list[tuple[str, str, int]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain: list[str] = []
+        inner: ast.expr = node
+        while isinstance(inner, ast.Attribute):
+            chain.append(inner.attr)
+            inner = inner.value
+        if not isinstance(inner, ast.Name) or inner.id not in aliases:
+            continue
+        path, rest = aliases[inner.id], chain[::-1]
+        while rest and _is_module(f"{path}.{rest[0]}"):
+            path = f"{path}.{rest.pop(0)}"
+        if rest:  # the first name past the modules is the object read
+            out.append((path, rest[0], node.lineno))
     return out
 
 
@@ -135,11 +201,36 @@ def violations(sources: dict[str, str]) -> list[str]:
             elif (not in_spec and module not in CHECKERS and from_spec
                   and not spec_object_allowed(origin, name)):
                 out.append(f"{what} (kvcore imports a spec rule, not a type/error/predicate)")
-        if not in_spec:
-            for node in ast.walk(ast.parse(source)):
-                if isinstance(node, ast.Constant) and node.value in FORBIDDEN_MODULES:
+        if not in_spec and module not in CHECKERS:
+            for origin, name, line in module_attributes(module, source, module in PACKAGES):
+                if ((origin == "kvcore.spec" or origin.startswith("kvcore.spec."))
+                        and not spec_object_allowed(origin, name)):
+                    out.append(f"{module}:{line}: reads {origin}.{name} (kvcore imports a "
+                               "spec rule, not a type/error/predicate)")
+        if in_spec:
+            for origin, name, line in module_attributes(module, source, module in PACKAGES):
+                if not (origin == "kvcore.spec" or origin.startswith("kvcore.spec.")):
+                    out.append(f"{module}:{line}: reads {origin}.{name} (spec imports "
+                               "kvcore code)")
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and _MODULE_STRING.fullmatch(node.value)):
+                named_spec = node.value == "kvcore.spec" or node.value.startswith("kvcore.spec.")
+                if (in_spec and not named_spec) or (
+                        not in_spec and module not in CHECKERS
+                        and node.value.startswith(FORBIDDEN_MODULES)):
                     out.append(f"{module}:{node.lineno}: names {node.value!r} in a string")
+            elif (isinstance(node, ast.Call) and module not in DYNAMIC_IMPORTERS
+                  and _called_name(node.func) in {"import_module", "__import__"}
+                  and not (node.args and isinstance(node.args[0], ast.Constant))):
+                out.append(f"{module}:{node.lineno}: imports by a computed name")
     return out
+
+
+def _called_name(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
 
 
 def test_the_real_tree_is_independent() -> None:
@@ -198,6 +289,24 @@ LEAKS = [
     pytest.param("kvcore.scheduler._lookup",
                  "_m = __import__('importlib').import_module('kvcore.spec.lookup')", True,
                  "in a string", id="dynamic-import-by-name"),
+    pytest.param("kvcore.scheduler._store",
+                 "from kvcore.spec import invariants as inv; inv.served_chunks", True,
+                 "reads kvcore.spec.invariants.served_chunks", id="rule-read-off-a-module"),
+    pytest.param("kvcore.scheduler._store", "import kvcore; kvcore.spec.lookup.spec_hit",
+                 True, "reads kvcore.spec.lookup.spec_hit", id="rule-read-off-kvcore"),
+    pytest.param("kvcore.scheduler._store",
+                 "import kvcore.spec.model as ref; ref.ReferenceScheduler", True,
+                 "kvcore imports a spec rule", id="reference-module-aliased"),
+    pytest.param("kvcore.transfer._plans", "from kvcore.spec.plans import chunks_spanned",
+                 False, "kvcore imports a spec rule", id="kvcore-shares-plan-mapping"),
+    pytest.param("kvcore.scheduler._lookup",
+                 "import importlib; importlib.import_module('kvcore.spec.' + 'lookup')", True,
+                 "computed name", id="dynamic-import-computed"),
+    pytest.param("kvcore.spec.model",
+                 "import importlib; importlib.import_module('kvcore.scheduler._rules')", True,
+                 "in a string", id="reference-imports-kvcore-by-name"),
+    pytest.param("kvcore.spec.model", "import kvcore; kvcore.scheduler._rules.group_offer",
+                 True, "spec imports kvcore code", id="reference-reads-kvcore-attribute"),
 ]
 
 
