@@ -13,8 +13,10 @@ before the chunks the lookup verified is a ``ConfigError``.
 
 Mutants (one-token changes of kvcore, patched in while CrossHair runs): ``first_unfilled``
 starting one block late (every load skips a block it should fill: the issue's mutant),
-``group_load`` letting a null through at the end of the run, and ``group_load``
-rounding the last chunk down instead of up.
+``group_load`` letting a null through at the end of the run, ``group_load`` rounding the
+last chunk down instead of up, and ``group_load`` not checking the run's first chunk
+against the chunks the lookup verified (a load may read chunks before the verified
+window).
 """
 
 from __future__ import annotations

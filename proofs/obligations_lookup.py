@@ -77,7 +77,7 @@ def converge_matches_spec(layout: int, num_tokens: int, computed: int,
     """converge's hit equals the reference hit (L1), its trace satisfies E3 and the hit
     E4, on 10 layouts (a draft group beside each kind, two draft windows, SLIDING with
     MAMBA, a plain window beside FULL), every request of N <= 5 tokens with C <= 1,
-    and every hit map.
+    and every hit map; no load in flight and no ``max_tokens`` cap.
 
     pre: 0 <= layout < 10
     pre: 0 <= num_tokens <= 5
@@ -185,7 +185,8 @@ def pending_matches_spec(layout: int, num_tokens: int, bits: list[bool],
     """The scheduler's lookup answer (hit, 0 or PENDING) equals spec_hit's (L1 and L2) on
     the 10 layouts, every request of N <= 3 tokens with C = 0 (N <= 2 on layout 8, whose
     1-token FULL and window groups make N = 3 alone cost about 65 CPU-s), and every
-    three-valued hit map (HIT, MISS, PENDING).
+    three-valued hit map (HIT, MISS, PENDING); no load in flight (so PENDING comes only
+    from the tier) and no ``max_tokens`` cap.
 
     pre: 0 <= layout < 10
     pre: 0 <= num_tokens <= 3

@@ -16,8 +16,8 @@ Mutants (each a one-token change of the kvcore function, patched in while CrossH
 runs; see ``proofs/_mutate.py``): the draft hold-back dropped from ``store_end``
 (pre-#44784), ``prompt_only`` ignored by ``storable_prefix``, W24's "skip a chunk only
 when its last block is null" in ``group_offer``, a cursor that skips its first candidate,
-and a store plan whose ``block_index`` is the chunk's first position even when its
-leading blocks were dropped.
+and ``build_store`` recording every stored block's table position one block early (so
+the plan's ``block_index`` and positions are shifted by one).
 """
 
 from __future__ import annotations
@@ -275,10 +275,10 @@ def _store_plan(layout: int, cursor: int, frontier: int, num_gpu: int, ids: list
 def store_plan_layouts(layout: int, cursor: int, frontier: int, num_gpu: int,
                        ids: list[int], accept: list[bool], slots: list[int]) -> bool:
     """draft_store then build_store on 6 layouts (draft FULL with 2-block chunks, MAMBA,
-    SLIDING with and without a keep rule, draft SLIDING), for V <= 4 (U = V), cursors
-    <= 2, every table of free ids in 0..num_gpu - 1 (nulls anywhere) for any
-    num_gpu >= 2, any subset of the offered keys accepted by the manager, and any
-    in-range CPU slots: E1, E2, the store rule, S1, S2 and B1 on the plan, and the plan's
+    one SLIDING without a keep rule, one with, two draft SLIDING with one), for V <= 4
+    (U = V), cursors <= 2, every table of free ids in 0..num_gpu - 1 (nulls anywhere)
+    for any num_gpu >= 2, any subset of the offered keys accepted by the manager, and CPU
+    slots in 0..63: E1, E2, the store rule, S1, S2 and B1 on the plan, and the plan's
     ids, keys and slots are the table's, the keys' and the manager's.
 
     pre: 0 <= layout < 6

@@ -1,10 +1,11 @@
-"""One pure predicate per invariant id, over plain-data records.
+"""Pure predicates, one or more per invariant id (named for it), over plain-data records.
 
 Each predicate takes the record its rule is about and returns a list of ``Violation``;
 an empty list means the rule holds. The runtime checker (``KVCORE_CHECK=1``), the
 Hypothesis state machines and the CrossHair obligations all call these same functions,
 so each rule has exactly one definition. ``check`` runs every predicate that applies to a
-``Snapshot``. Compound rules are split into clauses so a violation names the one that broke.
+``Snapshot``. Compound rules are split into clauses, one predicate each, so a violation
+names the one that broke.
 """
 
 from __future__ import annotations
