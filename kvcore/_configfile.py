@@ -20,6 +20,8 @@ the preset's groups. Unknown keys are errors (a typo must not silently fall back
 from __future__ import annotations
 
 import os
+import re
+import reprlib
 import stat
 import tomllib
 from dataclasses import fields, replace
@@ -35,18 +37,31 @@ _GROUP_FIELDS = {f.name for f in fields(GroupSpec)}
 # A layout file is a few hundred bytes; refusing anything over 1 MiB keeps a wrong path
 # (a model checkpoint, /dev/zero) from being read into memory.
 MAX_CONFIG_BYTES = 1 << 20
+# Field names and values echoed in an error: one line, a screenful at most, whatever the
+# file holds (a key with a newline read as two fields; a 200 KB key made a 200 KB error).
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_SHOWN = reprlib.Repr()  # Python 3.11's Repr takes no arguments: set its limits after
+_SHOWN.maxstring = _SHOWN.maxother = 60
+_SHOWN.maxlist = _SHOWN.maxdict = 6
+_SHOWN.maxlevel = 2
+
+
+def _key(key: object) -> str:
+    """A key as an error names it: as written when it is a plain name, else escaped."""
+    return key if isinstance(key, str) and _NAME.fullmatch(key) else _SHOWN.repr(key)
 
 
 def _enum(field: str, value: object, kind: type[GroupKind] | type[StoreLevel]) -> Any:
     """An enum member from its documented TOML name: a string, any case, nothing else."""
     names = ", ".join(repr(m.value) for m in kind)
     if not isinstance(value, str):
-        raise ConfigError(field, f"{field}={value!r} ({type(value).__name__}) is not a "
-                          f"string; write one of {names} as a TOML string")
+        raise ConfigError(field, f"{field}={_SHOWN.repr(value)} ({type(value).__name__}) "
+                          f"is not a string; write one of {names} as a TOML string")
     try:
         return kind(value.lower())
     except ValueError:
-        raise ConfigError(field, f"{field}={value!r} is unknown; use one of {names}") from None
+        raise ConfigError(field, f"{field}={_SHOWN.repr(value)} is unknown; use one of "
+                          f"{names}") from None
 
 
 def _group(i: int, raw: Any) -> GroupSpec:
@@ -54,8 +69,8 @@ def _group(i: int, raw: Any) -> GroupSpec:
         raise ConfigError(f"groups[{i}]", "each [[groups]] entry must be a table")
     unknown = set(raw) - _GROUP_FIELDS
     if unknown:
-        raise ConfigError(f"groups[{i}].{sorted(unknown)[0]}", f"unknown group field; "
-                          f"known fields: {', '.join(sorted(_GROUP_FIELDS))}")
+        raise ConfigError(f"groups[{i}].{_key(sorted(unknown)[0])}", "unknown group "
+                          f"field; known fields: {', '.join(sorted(_GROUP_FIELDS))}")
     for required in ("kind", "tokens_per_block"):
         if required not in raw:
             raise ConfigError(f"groups[{i}].{required}", "missing; every [[groups]] entry "
@@ -72,12 +87,13 @@ def config_from_mapping(raw: dict[str, Any], source: str = "config") -> OffloadC
     raw = dict(raw)
     base_name = raw.pop("preset", None)
     if base_name is not None and not isinstance(base_name, str):
-        raise ConfigError("preset", f"preset={base_name!r} must be a TOML string, e.g. "
+        raise ConfigError("preset", f"preset={_SHOWN.repr(base_name)} must be a TOML "
+                          "string, e.g. "
                           '"gemma3"')
     unknown = set(raw) - _CONFIG_FIELDS - {"groups"}
     if unknown:
-        raise ConfigError(sorted(unknown)[0], f"unknown field in {source}; known fields: "
-                          f"{', '.join(sorted(_CONFIG_FIELDS | {'groups', 'preset'}))}")
+        raise ConfigError(_key(sorted(unknown)[0]), f"unknown field in {source}; known "
+                          f"fields: {', '.join(sorted(_CONFIG_FIELDS | {'groups', 'preset'}))}")
     if "store_level" in raw:
         raw["store_level"] = _enum("store_level", raw["store_level"], StoreLevel)
     if "groups" in raw:

@@ -4,13 +4,14 @@ Exit codes say what failed (as the VOPR separates them): 0 clean, 1 a correctnes
 (an invariant, byte integrity, or a surviving mutant), 2 bad usage or config (nothing was
 run), 3 liveness (a run did not settle), 4 a crash inside kvcore (the traceback goes to a
 file whose path is printed), 5 inconclusive (a proof ran out of budget without a
-counterexample, or an invariant no stage evaluated; nothing else failed). The human
-table and ``--json`` render the same data.
+counterexample, or an invariant no stage evaluated; nothing else failed), 130 interrupted
+(Ctrl-C). The human table and ``--json`` render the same data.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import sys
@@ -28,6 +29,7 @@ from kvcore.spec.types import MAX_CONTEXT_TOKENS, OffloadConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_LIVENESS, EXIT_CRASH = 0, 1, 2, 3, 4
 EXIT_INCONCLUSIVE = 5
+EXIT_INTERRUPTED = 130  # the shell's code for a run stopped by SIGINT
 # What --help says of them: a CI job branches on the code, so it must not need the source.
 EXIT_CODES_HELP = """exit codes:
   0  clean
@@ -37,7 +39,8 @@ EXIT_CODES_HELP = """exit codes:
   3  liveness: a run did not settle
   4  a crash inside kvcore (the traceback goes to a file whose path is printed)
   5  inconclusive: a proof ran out of budget without a counterexample, or a check that
-     never ran (an invariant no stage evaluated); nothing else failed"""
+     never ran (an invariant no stage evaluated); nothing else failed
+  130  interrupted (Ctrl-C)"""
 # Every parser's --help ends with the exit codes, laid out as written.
 _HELP: dict[str, Any] = {"epilog": EXIT_CODES_HELP,
                          "formatter_class": argparse.RawDescriptionHelpFormatter}
@@ -69,7 +72,8 @@ def _count(what: str, lo: int, hi: int) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer ({what})") from None
+            raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer ({what})"
+                                             ) from None
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"{value} is outside {lo}..{hi} ({what})")
         return value
@@ -77,14 +81,21 @@ def _count(what: str, lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def _shown(text: str) -> str:
+    """An argument as an error echoes it: quoted, and cut at 40 characters (a 5,000-digit
+    number is a typo, not something to print back whole)."""
+    return repr(text) if len(text) <= 40 else repr(text[:40]) + f"... ({len(text)} chars)"
+
+
 def _duration(text: str) -> float:
     """An argparse type: ``90s``, ``30m``, ``2h`` or plain seconds, above 0 and <= 7 days."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text.strip())
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 90s, 30m or 2h")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a duration; use e.g. 90s, "
+                                         "30m or 2h")
     seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
     if not 0 < seconds <= MAX_DURATION_S:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0s and at most "
+        raise argparse.ArgumentTypeError(f"{_shown(text)} must be above 0s and at most "
                                          f"{MAX_DURATION_S // 3600}h")
     return seconds
 
@@ -115,6 +126,43 @@ def _require_writable(option: str, path: str | None) -> None:
                           "file in a writable directory") from None
     if not existed:
         target.unlink(missing_ok=True)
+
+
+def _require_not_layout(args: argparse.Namespace) -> None:
+    """Refuse ``--json`` naming the file ``--config`` reads: the report would replace the
+    user's layout, and the next run would fail on it."""
+    config = getattr(args, "config", None)
+    if not args.json or not config:
+        return
+    out, layout = Path(args.json), Path(config)
+    try:
+        same = out.resolve() == layout.resolve() or (
+            out.exists() and layout.exists() and out.samefile(layout))
+    except (OSError, RuntimeError):  # a loop or an unreadable path: the checks name it
+        return
+    if same:
+        raise ConfigError("--json", f"--json {args.json} is the layout file --config "
+                          "reads; writing the report there would replace it; name another "
+                          "file")
+
+
+def _write_json(option: str, path: str, data: dict[str, Any], code: int) -> int:
+    """Write the report; a disk that fails now (full, a quota) is said in one line, and
+    the run's own failure code wins over it (the report is extra, the verdict is not)."""
+    try:
+        Path(path).write_text(json.dumps(data, indent=2))
+    except OSError as exc:
+        print(f"kvcore: cannot write {option} {path}: {exc.strerror or exc}", file=sys.stderr)
+        return code if code not in (EXIT_OK, EXIT_INCONCLUSIVE) else EXIT_USAGE
+    return code
+
+
+def _worse(code: int, other: int) -> int:
+    """The exit code of a run with both outcomes: any failure beats inconclusive, which
+    beats clean; between failures, the first one reported stays."""
+    if code in (EXIT_OK, EXIT_INCONCLUSIVE):
+        return other if other != EXIT_OK else code
+    return code
 
 
 def _require_device(device: str) -> None:
@@ -197,6 +245,7 @@ def _run_mutants(args: argparse.Namespace, report: dict[str, Any], name: str,
 
 def cmd_check(args: argparse.Namespace) -> int:
     _require_writable("--json", args.json)
+    _require_not_layout(args)
     name, config = _layout(args)
     from kvcore import _check
     print(f"kvcore check: layout {name} ({len(config.groups)} groups), "
@@ -237,21 +286,25 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"  {line}")
     if result.failure is not None:
         report["failure"] = asdict(result.failure)
-        code = _report_failure(result.failure)
+        # A failed proof stays a failure even when the battery only lacked coverage.
+        code = _worse(code, _report_failure(result.failure))
     if args.mutants and not _run_mutants(args, report, ref, config, progress):
-        code = code or EXIT_FAIL
+        code = _worse(code, EXIT_FAIL)
     if code == EXIT_OK and inconclusive:
         code = EXIT_INCONCLUSIVE
     report["ok"] = code == EXIT_OK
     report["exit_code"] = code
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        code = _write_json("--json", args.json, report, code)
     unseen = result.failure is not None and result.failure.kind == "coverage"
     verdict = {EXIT_OK: "ok", EXIT_INCONCLUSIVE: "INCONCLUSIVE (" + (
         "an invariant no stage evaluated" if unseen else "a proof ran out of budget") +
         "; nothing failed)"}
     print(f"\n{verdict.get(code, 'FAILED')}")
     return code
+
+
+_DEFAULT_DB = ".kvcore-fuzz-db"  # in the working directory, as Hypothesis's own
 
 
 def _database(spec: str | None) -> Any:
@@ -265,7 +318,7 @@ def _database(spec: str | None) -> Any:
     if spec is not None and "://" in spec:  # a typo must not become a local folder
         raise ConfigError("--db", f"--db {spec}: not a Redis URL (redis://, rediss:// or "
                           "unix://) and not a directory name")
-    folder = Path(spec or ".kvcore-fuzz-db")
+    folder = Path(spec or _DEFAULT_DB)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -307,34 +360,62 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     db = _database(args.db)
     from kvcore import _check
     budget: float = args.duration
-    print(f"kvcore fuzz: layout {name}, device {args.device}, {budget:.0f}s, db {args.db}",
-          flush=True)
+    print(f"kvcore fuzz: layout {name}, device {args.device}, {budget:g}s, db "
+          f"{args.db or _DEFAULT_DB}", flush=True)
     start = time.monotonic()
     result = _check.BatteryResult()
-    rounds = 0
-    while time.monotonic() - start < budget:
-        rounds += 1
-        _check.run_machine(config, args.examples, args.steps, result, database=db,
+    rounds = done = 0
+    per_example = 0.0
+    while True:
+        left = budget - (time.monotonic() - start)
+        if left <= 0 or (rounds and left < per_example):
+            break  # the next example would end past --duration
+        # The first round runs one example to time it; later rounds fit what is left, so
+        # the run ends within about one example of --duration, not a round past it.
+        count = 1 if not rounds else min(args.examples, max(1, int(left / per_example)))
+        began = time.monotonic()
+        _check.run_machine(config, count, args.steps, result, database=db,
                            device=args.device)
+        per_example = max(per_example, (time.monotonic() - began) / count)
+        rounds, done = rounds + 1, done + count
         total = sum(result.checked.values())
         print(f"[{time.monotonic() - start:6.0f}s] round {rounds}: "
-              f"{rounds * args.examples} examples, {total} invariant checks", flush=True)
+              f"{done} examples, {total} invariant checks", flush=True)
         if result.failure is not None:
             code = _report_failure(result.failure)
             print(_saved_note(db))
             return code
+    if not rounds:
+        print(f"inconclusive: --duration {budget:g}s ended before the first example; give "
+              "it longer")
+        return EXIT_INCONCLUSIVE
     if not sum(result.checked.values()):
         # Rounds too short to reach a check (--steps 3) would pass without checking
         # anything: as kvcore check does for an invariant no stage evaluated.
-        print(f"inconclusive: {rounds} rounds evaluated no invariant; raise --steps or "
-              "--examples")
+        print(f"inconclusive: {done} examples in {rounds} rounds evaluated no invariant; "
+              "raise --steps or --examples")
         return EXIT_INCONCLUSIVE
     print("ok: no counterexample found")
     return EXIT_OK
 
 
+# simulate's workload options and their defaults: None in the parser, so that one given
+# beside --check-options (which replaces them all) is refused instead of ignored.
+_WORKLOAD = {"requests": 8, "context": 4096, "prefill_budget": 8192, "max_new_tokens": 24}
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     _require_writable("--json", args.json)
+    _require_not_layout(args)
+    given = [k for k in _WORKLOAD if getattr(args, k) is not None]
+    if args.check_options and (given or args.faults):
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given + ["faults"] * args.faults)
+        raise ConfigError("--check-options", f"--check-options replays kvcore check's own "
+                          f"options for the seed, so {flags} would be ignored; drop them, "
+                          "or drop --check-options")
+    for key, default in _WORKLOAD.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     name, config = _layout(args)
     _require_device(args.device)
     from kvcore import _check
@@ -363,7 +444,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(f"{'invariants checked':>20}: {sum(report.invariants_checked.values())} "
           f"({', '.join(f'{k}={v}' for k, v in report.invariants_checked.items())})")
     if args.json:
-        Path(args.json).write_text(json.dumps(data, indent=2))
+        return _write_json("--json", args.json, data, EXIT_OK)
     return EXIT_OK
 
 
@@ -405,7 +486,8 @@ def _fuzz_parser(sub: Any) -> None:
     f.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     f.add_argument("--duration", type=_duration, default="30m",
                    help="e.g. 90s, 30m, 2h; at most 168h (default 30m)")
-    f.add_argument("--db", help="example database: a directory or redis://HOST:PORT/N")
+    f.add_argument("--db", help="example database: a directory or redis://HOST:PORT/N "
+                   f"(default ./{_DEFAULT_DB})")
     f.add_argument("--examples", type=_count("examples per round", 1, MAX_EXAMPLES),
                    default=50, help=f"examples per round, 1..{MAX_EXAMPLES} (default 50)")
     f.add_argument("--steps", type=_count("rules per example", 1, MAX_STEPS), default=50,
@@ -417,22 +499,24 @@ def _simulate_parser(sub: Any) -> None:
     s = sub.add_parser("simulate", help="run a workload end to end and report", **_HELP)
     _layout_args(s)
     tokens = MAX_SIM_TOKENS
-    s.add_argument("--requests", type=_count("requests", 1, MAX_REQUESTS), default=8,
+    s.add_argument("--requests", type=_count("requests", 1, MAX_REQUESTS), default=None,
                    help=f"requests to run, 1..{MAX_REQUESTS} (default 8)")
     s.add_argument("--context", type=_count("prompt tokens per request", 1, tokens),
-                   default=4096, help=f"prompt tokens per request, 1..{tokens} (default 4096)")
+                   default=None, help=f"prompt tokens per request, 1..{tokens} (default 4096)")
     s.add_argument("--seed", type=_count("seed", 0, MAX_SEED), default=0,
                    help="the workload's seed, >= 0 (default 0)")
     s.add_argument("--prefill-budget", type=_count("prefill tokens per step", 1, tokens),
-                   default=8192, help=f"prefill tokens per step, 1..{tokens} (default 8192)")
+                   default=None, help=f"prefill tokens per step, 1..{tokens} (default 8192)")
     s.add_argument("--max-new-tokens", type=_count("new tokens per request", 1, tokens),
-                   default=24, help=f"new tokens per request, 1..{tokens} (default 24)")
+                   default=None, help=f"new tokens per request, 1..{tokens} (default 24)")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     s.add_argument("--no-checks", action="store_true", help="turn runtime checks off")
     s.add_argument("--faults", action="store_true",
                    help="draw fault rates (failed/late reports, aborts, resets) from the seed")
     s.add_argument("--check-options", action="store_true",
-                   help="use the options `kvcore check` ran this seed with (to replay it)")
+                   help="use the options `kvcore check` ran this seed with (to replay it; "
+                        "not with --requests, --context, --prefill-budget, --max-new-tokens "
+                        "or --faults, which it replaces)")
     # One or the other, as kvcore check's stages run them: a bad twin sent through the
     # lock step reaches the reference model too, which is not built to bounce it.
     stages = s.add_mutually_exclusive_group()
@@ -479,9 +563,48 @@ def _run_failure(exc: Exception) -> int:
     return KIND_EXIT[kind]
 
 
+class _Output(io.TextIOBase):
+    """stdout as the commands print to it: a reader that went away (``| head``) stops the
+    printing, not the run, whose exit code still says how it went; a character the
+    terminal's encoding lacks (a file name's stray byte) is escaped, not a crash."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.closed_by_reader = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                self.stream.write(text)
+            except UnicodeEncodeError:
+                encoding = getattr(self.stream, "encoding", None) or "utf-8"
+                self.stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+            except BrokenPipeError:
+                self.closed_by_reader = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self.closed_by_reader = True
+
+
 def main(argv: list[str] | None = None) -> int:
     # torch warns at first use that NumPy is absent; kvcore does not need NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Output(out), _Output(err)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("kvcore: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(argv: list[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage errors, --help and --version end here

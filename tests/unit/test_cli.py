@@ -13,6 +13,7 @@ or the simulator with a stub that fails in the way under test.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -208,6 +209,25 @@ USAGE_ROWS: list[tuple[str, list[str], int, str]] = [
      EXIT_USAGE, "not a layout"),
     ("config arrays 5000 deep (crashed)", ["simulate", "--config", "{tmp}/deep.toml"],
      EXIT_USAGE, "not a layout"),
+    # A review of the command line: each replaced the user's file, ignored an option, or
+    # printed an error over several lines or 200 KB.
+    ("--json is the --config file (replaced the layout)",
+     ["check", "--no-proofs", "--config", "{tmp}/good.toml", "--json", "{tmp}/./good.toml"],
+     EXIT_USAGE, "is the layout file --config reads"),
+    ("simulate --json is the --config file", ["simulate", "--config", "{tmp}/good.toml",
+                                              "--json", "{tmp}/good.toml"], EXIT_USAGE,
+     "is the layout file --config reads"),
+    ("--check-options with --requests (ignored it)",
+     ["simulate", "--check-options", "--requests", "1"], EXIT_USAGE,
+     "--requests would be ignored"),
+    ("--check-options with --faults (ignored it)", ["simulate", "--check-options", "--faults"],
+     EXIT_USAGE, "--faults would be ignored"),
+    ("a key holding a newline (read as two fields)", ["check", "--config", "{tmp}/nl.toml"],
+     EXIT_USAGE, "'num_gpu_blocks\\nnum_cpu_blocks': unknown field"),
+    ("a 200,000-character key (a 200 KB error)", ["check", "--config", "{tmp}/longkey.toml"],
+     EXIT_USAGE, "kkk...kkk"),
+    ("--seeds of 5000 digits (echoed whole)", ["check", "--seeds", "9" * 5000], EXIT_USAGE,
+     "(5000 chars)"),
     ("--db empty (fell back)", ["fuzz", "--duration", "5s", "--db", ""], EXIT_USAGE,
      "--db is empty"),
     ("--db not a Redis URL (became a folder)", ["fuzz", "--duration", "5s", "--db",
@@ -225,6 +245,9 @@ def test_usage_and_config_errors_exit_2_with_one_line_and_nothing_run(
     (tmp_path / "huge.toml").write_text(HUGE_WINDOW)
     (tmp_path / "bigint.toml").write_text("num_gpu_blocks = " + "9" * 5000 + "\n")
     (tmp_path / "deep.toml").write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    (tmp_path / "good.toml").write_text('preset = "gemma3"\n')
+    (tmp_path / "nl.toml").write_text('"num_gpu_blocks\\nnum_cpu_blocks" = 1\n')
+    (tmp_path / "longkey.toml").write_text(f'"{"k" * 200_000}" = 1\n')
     os.mkfifo(tmp_path / "fifo.toml")
     argv = [a.format(tmp=tmp_path, port=_closed_port()) for a in args]
     # A hang (the 10**12 window once never returned) fails here instead of stalling.
@@ -238,6 +261,8 @@ def test_usage_and_config_errors_exit_2_with_one_line_and_nothing_run(
     # Nothing ran: no header, no progress, no "saved to the example database".
     assert done.stdout == ""
     assert not (tmp_path / "no").exists()
+    assert len(done.stderr) < 1000  # one line, not an echo of whatever was given
+    assert (tmp_path / "good.toml").read_text() == 'preset = "gemma3"\n'
 
 
 def test_version_prints_the_installed_version() -> None:
@@ -419,3 +444,124 @@ def test_help_lists_the_exit_codes(command: list[str],
     assert main([*command, "--help"]) == EXIT_OK
     out = capsys.readouterr().out
     assert "exit codes:" in out and "5  inconclusive" in out and "3  liveness" in out
+
+
+# -- a review of the command line: exit codes that hid a failure, output that crashed ------
+
+def test_a_failed_proof_is_not_hidden_by_a_coverage_gap(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Exit 5 says "nothing failed"; the battery's coverage gap overwrote the proofs' 1."""
+    _stub_battery(monkeypatch, _failure("coverage", ["E1"]), "failed")
+    assert main(["check", "--preset", "gpt-oss"]) == EXIT_FAIL
+    assert capsys.readouterr().out.rstrip().endswith("FAILED")
+
+
+def test_a_surviving_mutant_is_not_hidden_by_a_coverage_gap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _stub_battery(monkeypatch, _failure("coverage", ["E1"]))
+    survivor = _check.MutantOutcome("m", "upstream#1", "E1", "survived", "", "gpt-oss", 0.0)
+    monkeypatch.setattr(_check, "run_mutants", lambda *_a, **_k: [survivor])
+    assert main(["check", "--preset", "gpt-oss", "--mutants"]) == EXIT_FAIL
+
+
+class _Clock:
+    """time.monotonic for the CLI: each example the stubbed machine runs takes a second."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.examples = 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def machine(self, _cfg: Any, examples: int, _steps: int, result: _check.BatteryResult,
+                **_kw: Any) -> None:
+        self.examples += examples
+        self.now += examples
+        result.checked["E1"] = result.checked.get("E1", 0) + examples
+
+
+def test_fuzz_ends_within_an_example_of_its_duration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A first round of 1,000 one-second examples ran 1,000 s past --duration 10s."""
+    import kvcore.cli
+    clock = _Clock()
+    monkeypatch.setattr(kvcore.cli.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(_check, "run_machine", clock.machine)
+    monkeypatch.chdir(tmp_path)
+    assert main(["fuzz", "--preset", "gpt-oss", "--duration", "10s",
+                 "--examples", "1000"]) == EXIT_OK
+    assert clock.examples == 10 and clock.now == 10
+    out = capsys.readouterr().out
+    # The header names the database it writes to, not "None".
+    assert "db .kvcore-fuzz-db" in out and (tmp_path / ".kvcore-fuzz-db").is_dir()
+
+
+def test_fuzz_whose_duration_ends_first_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "raise --steps or --examples" when the duration was the cause."""
+    import kvcore.cli
+    readings = iter([0.0, 5.0])
+    monkeypatch.setattr(kvcore.cli.time, "monotonic", lambda: next(readings))
+    monkeypatch.setattr(_check, "run_machine", _Clock().machine)
+    assert main(["fuzz", "--preset", "gpt-oss", "--duration", "1s", "--db",
+                 str(tmp_path / "db")]) == EXIT_INCONCLUSIVE
+    assert "--duration 1s ended before the first example" in capsys.readouterr().out
+
+
+class _BrokenPipe(io.StringIO):
+    """stdout after ``| head -1`` has read its line: every write fails."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_does_not_turn_the_run_into_a_crash(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvcore check | head -1`` exited 4, "crash inside kvcore (BrokenPipeError)"."""
+    _stub_battery(monkeypatch, _failure("invariant", ["E1"]))
+    monkeypatch.setattr(sys, "stdout", _BrokenPipe())
+    assert main(["check", "--preset", "gpt-oss", "--no-proofs"]) == EXIT_FAIL
+
+
+def test_a_name_the_terminal_cannot_encode_is_escaped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout file named with a character stdout's encoding lacks crashed the header."""
+    _stub_battery(monkeypatch, None)
+    layout = tmp_path / "layout\u00fc.toml"
+    layout.write_text('preset = "gemma3"\n')
+    raw = io.BytesIO()
+    ascii_out = io.TextIOWrapper(raw, encoding="ascii", errors="strict")
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    assert main(["check", "--config", str(layout), "--no-proofs"]) == EXIT_OK
+    ascii_out.flush()
+    assert b"layout\\xfc" in raw.getvalue()
+
+
+@pytest.mark.parametrize(("failure", "code"), [(None, EXIT_USAGE),
+                                                ("invariant", EXIT_FAIL)])
+def test_a_report_that_cannot_be_written_is_one_line_and_keeps_the_verdict(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        failure: str | None, code: int) -> None:
+    """A disk full at the end was "crash inside kvcore" (4), over the battery's own code."""
+    _stub_battery(monkeypatch, _failure(failure, ["E1"]) if failure else None)
+
+    def full(*_a: Any, **_k: Any) -> int:
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    assert main(["check", "--preset", "gpt-oss", "--no-proofs", "--json",
+                 str(tmp_path / "r.json")]) == code
+    assert "cannot write --json" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C in a fuzz run printed a bare KeyboardInterrupt traceback."""
+    def interrupted(*_a: Any, **_k: Any) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(_check, "run_battery", interrupted)
+    assert main(["check", "--preset", "gpt-oss", "--no-proofs"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
