@@ -465,6 +465,10 @@ def _layout_args(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--config", help="a TOML file describing the engine's groups")
 
 
+_DEVICE_HELP = ("where the simulated engine's KV blocks live (default cpu); cuda needs "
+                "kvcore's CUDA library, a driver and a visible device")
+
+
 def _check_parser(sub: Any) -> None:
     c = sub.add_parser("check", help="contract checks for engine CI", **_HELP)
     _layout_args(c)
@@ -483,13 +487,15 @@ def _check_parser(sub: Any) -> None:
 def _fuzz_parser(sub: Any) -> None:
     f = sub.add_parser("fuzz", help="long stateful fuzzing, sharing counterexamples", **_HELP)
     _layout_args(f)
-    f.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    f.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help=_DEVICE_HELP)
     f.add_argument("--duration", type=_duration, default="30m",
                    help="e.g. 90s, 30m, 2h; at most 168h (default 30m)")
     f.add_argument("--db", help="example database: a directory or redis://HOST:PORT/N "
                    f"(default ./{_DEFAULT_DB})")
     f.add_argument("--examples", type=_count("examples per round", 1, MAX_EXAMPLES),
-                   default=50, help=f"examples per round, 1..{MAX_EXAMPLES} (default 50)")
+                   default=50, help=f"most examples per round, 1..{MAX_EXAMPLES} (default "
+                   "50; the first round runs one to time it, later ones what fits the time "
+                   "left)")
     f.add_argument("--steps", type=_count("rules per example", 1, MAX_STEPS), default=50,
                    help=f"rules per example, 1..{MAX_STEPS} (default 50)")
     f.set_defaults(func=cmd_fuzz)
@@ -502,17 +508,23 @@ def _simulate_parser(sub: Any) -> None:
     s.add_argument("--requests", type=_count("requests", 1, MAX_REQUESTS), default=None,
                    help=f"requests to run, 1..{MAX_REQUESTS} (default 8)")
     s.add_argument("--context", type=_count("prompt tokens per request", 1, tokens),
-                   default=None, help=f"prompt tokens per request, 1..{tokens} (default 4096)")
+                   default=None, help=f"prompt size, 1..{tokens} (default 4096): each "
+                   "prompt is drawn at 70-100%% of it, one sharing a system prefix up to 31 "
+                   "tokens past it")
     s.add_argument("--seed", type=_count("seed", 0, MAX_SEED), default=0,
-                   help="the workload's seed, >= 0 (default 0)")
+                   help="the workload's seed, 0..2**64-1 (default 0)")
     s.add_argument("--prefill-budget", type=_count("prefill tokens per step", 1, tokens),
                    default=None, help=f"prefill tokens per step, 1..{tokens} (default 8192)")
     s.add_argument("--max-new-tokens", type=_count("new tokens per request", 1, tokens),
-                   default=None, help=f"new tokens per request, 1..{tokens} (default 24)")
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    s.add_argument("--no-checks", action="store_true", help="turn runtime checks off")
+                   default=None, help=f"most new tokens per request, 1..{tokens} (default "
+                   "24; each request draws its own count from 1 to it)")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help=_DEVICE_HELP)
+    s.add_argument("--no-checks", action="store_true",
+                   help="turn the scheduler's runtime invariant checks off (the simulator's "
+                        "byte check of every load still runs and fails the run)")
     s.add_argument("--faults", action="store_true",
-                   help="draw fault rates (failed/late reports, aborts, resets) from the seed")
+                   help="draw fault rates (failed reports, aborts, resets) from the seed; "
+                        "without it those are 0 and 20%% of reports still come late")
     s.add_argument("--check-options", action="store_true",
                    help="use the options `kvcore check` ran this seed with (to replay it; "
                         "not with --requests, --context, --prefill-budget, --max-new-tokens "
