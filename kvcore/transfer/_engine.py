@@ -31,7 +31,7 @@ from . import _setup
 from ._memory import _bad, _check_disjoint, _Registered
 from ._plans import _Job, _kv_error, check_plan, prepare_plan, short_repr
 from ._results import MAX_IN_FLIGHT, TransferResult, _failed, _Flight
-from ._setup import MAX_QUEUED_JOBS, _check_options
+from ._setup import MAX_QUEUED_JOBS, MAX_UNPOLLED_JOBS, _check_options
 from ._stream import SimulatedStream
 
 
@@ -232,13 +232,20 @@ class TransferEngine:
         TransferArgumentError for something that is not a TransferPlan with a well-typed
         job id, kind and groups container, or for a job id already in flight; a group
         whose id lists are not lists of ints fails its job like a bad id (``validate``
-        raises that TransferArgumentError). CallOrderError (a RuntimeError) after close().
+        raises that TransferArgumentError). CallOrderError (a RuntimeError) after close(),
+        or when ``MAX_UNPOLLED_JOBS`` jobs await ``poll()`` (nothing is queued then).
         """
         plan = check_plan(plan)
         with self._cond:
             if self._closed:
                 raise CallOrderError("TransferEngine.submit", "the engine is closed; build a "
                                      "new one")
+            unpolled = len(self._pending) + len(self._done)
+            if unpolled >= MAX_UNPOLLED_JOBS:
+                raise CallOrderError("TransferEngine.submit", f"{unpolled} jobs were "
+                                     "submitted and not handed out by poll() (the limit, "
+                                     f"MAX_UNPOLLED_JOBS, is {MAX_UNPOLLED_JOBS}); wait() "
+                                     "leaves results for poll(): call poll()")
             if plan.job_id in self._pending:
                 raise TransferArgumentError("plan.job_id", f"job {plan.job_id} is already in "
                                             "flight; job ids must be unique among unfinished "

@@ -20,6 +20,11 @@ from kvcore.spec.types import OffloadConfig
 from ._memory import _bad, _check_buffer, _check_disjoint, _Pool, _pool_of, _Registered
 
 MAX_QUEUED_JOBS = 4096  # submit() blocks beyond this; the worker always drains the queue
+# Jobs submitted and not yet handed out by poll() (in flight, queued, or finished with the
+# result waiting): wait() leaves results for poll(), so a caller that waits and never
+# polls would keep every result (200-330 bytes each) for good. Past this, submit refuses
+# (CallOrderError) until poll() is called: backpressure, never a dropped result.
+MAX_UNPOLLED_JOBS = 1 << 16
 MAX_QUEUED_JOBS_LIMIT = 1 << 20  # the bound on max_queued_jobs itself (memory is per job)
 
 

@@ -607,3 +607,32 @@ def test_the_scheduler_side_names_what_is_not_vllms_object() -> None:
     object.__setattr__(cfg.kv_transfer_config, "kv_connector_extra_config", ["cpu_bytes"])
     with pytest.raises(ConfigError, match=r"^kv_connector_extra_config: "):
         translate(cfg, kv_cache_config(16, [KVCacheGroupSpec(["t0"], attention())]))
+
+
+def test_get_finished_alone_keeps_no_failure_record() -> None:
+    """A caller that reads results through the older ``get_finished`` (no failed set)
+    and never ``get_transfer_results`` left each failed load's request id in the worker
+    for good: 2,000 failed loads, 2,000 entries. Mutant: get_finished not handing out the
+    failures it collected."""
+    h = _one_group()
+    a = h.new_request("A", list(range(33)))
+    h.admit(a)
+    h.step({"A": 32})
+    h.step({"A": 1})
+    h.finish(a)
+    b = h.new_request("B", list(range(33)))
+    assert h.admit(b) == 32
+    seen: list[tuple[set[str], set[str]]] = []
+    kept: list[set[str]] = []
+
+    def older_caller(meta: Any) -> None:
+        seen.append(h.worker.get_finished(set()))
+        assert h.worker.worker is not None
+        kept.append(set(h.worker.worker._failed_requests))  # before the harness's own read
+        meta.loads = ()  # the harness must not verify the bytes of a load that failed
+
+    h.after_drain = older_caller
+    h.step({}, fail_loads=True, deliver=False)
+    h.after_drain = None
+    assert seen == [(set(), {"B"})]
+    assert kept == [set()]

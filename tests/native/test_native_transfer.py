@@ -650,3 +650,26 @@ def test_a_size_one_dimension_with_stride_zero_is_a_valid_pool() -> None:
         assert run_job(engine, TransferPlan(2, JobKind.LOAD, "r",
                                             (GroupTransfer((5,), 0, (0,)),))).success
         assert bytes(pool[5].contiguous().view(torch.uint8).flatten().tolist()) == before
+
+
+def test_results_a_caller_never_polls_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wait() leaves results for poll(): a caller that only waited kept every result
+    the engine ever produced (10,000 jobs, 10,000 results). Past ``MAX_UNPOLLED_JOBS``
+    submit refuses until poll(), with nothing queued; no result is dropped. Mutants: the
+    check removed, or ``>`` for ``>=`` (a fourth job accepted)."""
+    import kvcore.transfer._engine as engine_module
+    from kvcore.spec.errors import CallOrderError
+    monkeypatch.setattr(engine_module, "MAX_UNPOLLED_JOBS", 3)
+    with make_engine((1,), layers=1)[0] as engine:
+        def store(job: int) -> TransferPlan:
+            return TransferPlan(job, JobKind.STORE, "r", (GroupTransfer((1,), 0, (0,)),))
+        engine.submit(store(1))
+        engine.submit(store(2))
+        engine.wait([1, 2], timeout=60)
+        engine.submit(store(3))  # two results waiting for poll, one job maybe in flight
+        with pytest.raises(CallOrderError, match=r"MAX_UNPOLLED_JOBS.*call poll"):
+            engine.submit(store(4))
+        engine.wait([3], timeout=60)
+        assert engine.in_flight() == [] and sorted(r.job_id for r in engine.poll()) == [1, 2, 3]
+        engine.submit(store(4))  # polled: room again
+        assert [r.job_id for r in engine.wait([4], timeout=60)] == [4]

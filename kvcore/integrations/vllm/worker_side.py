@@ -147,9 +147,17 @@ class WorkerSide:
             self._plans[plan.job_id] = plan
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        finished_recving = self._collect(self._engine().poll()) | self._recving_owed
+        recving, _failed = self._finished()
+        return set(), recving
+
+    def _finished(self) -> tuple[set[str], set[str]]:
+        """The loads finished since the last call, and those of them that failed. Each
+        call hands out every failure it has: a caller of the older ``get_finished`` alone
+        (which has no failed set) must not leave a record per failed load for good."""
+        recving = self._collect(self._engine().poll()) | self._recving_owed
         self._recving_owed = set()
-        return set(), finished_recving
+        failed, self._failed_requests = self._failed_requests, set()
+        return recving, failed
 
     def _collect(self, results: list[Any]) -> set[str]:
         """Reports for finished jobs; the requests whose loads they were."""
@@ -168,8 +176,7 @@ class WorkerSide:
         return finished_recving
 
     def get_transfer_results(self) -> Any:
-        _, recving = self.get_finished()
-        failed, self._failed_requests = self._failed_requests & recving, set()
+        recving, failed = self._finished()
         return v.KVConnectorTransferResults(finished_recving=recving, failed_recving=failed)
 
     def block_ids_with_load_errors(self) -> set[int]:
