@@ -362,7 +362,9 @@ static size_t table_remove(Table *t, size_t at, size_t *moved)
     t->n = last;
     /* Shrinking cannot fail the removal: a failed realloc keeps the larger arrays. A
      * shrink also fits the stride to the longest key still held (one long key, gone,
-     * must not widen every entry for good): O(n) at a halving, so amortized O(1). */
+     * must not widen every entry for good): O(n) at a halving, so amortized O(1). At a
+     * steady occupancy no halving comes and the wider stride stays, bounded by the
+     * capacity times the longest key allowed (MAX_KEY). */
     if (t->cap > MIN_ENTRIES && t->n * 4 <= t->cap) {
         size_t longest = FIRST_KEY;
         for (size_t i = 0; i < t->n; i++)
