@@ -249,7 +249,8 @@ TABLE: list[tuple[Predicate, Any, list[Across]]] = [
                LoadRecord(DRAFT_CFG, 0, 8, ((0, 3),)), "outside the verified range (0, 2)"),
     ]),
     (l3_load_covers_every_block, L3_OK, [
-        # The first_unfilled mutant: the load starts one block late.
+        # What a load starting one block late looks like (kvcore's first_unfilled
+        # mutant, killed in tests/refinement/test_refinement_mutants.py).
         Across("the first block to fill is skipped", replace(L3_OK, plan=group0(
             PlanRecord(TWO_CFG, L3_OK.plan), gpu_block_ids=(13,), block_index=2).plan),
             "group 0: blocks at positions [1]"),
