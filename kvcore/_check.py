@@ -30,7 +30,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvcore._proofs import ProofReport
-from kvcore._scenarios import SCENARIOS, ScenarioFailure, tallied
+from kvcore._scenarios import SCENARIOS, ScenarioFailure, check_fits, tallied
 from kvcore.scheduler import OffloadScheduler
 from kvcore.sim import IntegrityError, SimOptions, Simulator
 from kvcore.sim._engine import HarnessLimit, NotSettled
@@ -63,6 +63,10 @@ UNNAMED = ("crash", "liveness")
 NOT_VIOLATIONS = ("coverage", "canary")
 # The stages a canary's battery runs (``run_canaries``).
 CANARY_STAGES = ("directed", "simulations")
+# ``kvcore check``'s seeded simulations by default. At this budget or more a canary that
+# survives is a failure whatever it did; below it, one whose bug never changed a check's
+# count is reported untested (``run_canaries``).
+CHECK_SEEDS = 24
 # The pressure profile's and the bad-calls stage's tier: slots per group (``pressure_slots``
 # shrinks it, never below the minimum, for layouts whose runs store few chunks).
 PRESSURE_SLOTS = 48
@@ -328,7 +332,30 @@ def run_sims(config: OffloadConfig, seeds: int, result: BatteryResult, *,
 # that re-runs the failing part on that layout, so it must name it the way the user can.
 
 
+class LayoutRef(str):
+    """A layout reference that says what it names: ``is_file`` True for the path of the
+    user's layout file (``kvcore check --config``), False for a preset or zoo layout.
+
+    A path cannot be told from a preset by its spelling: a file may be called
+    ``gemma3``, and its reproducers then named the built-in preset, not the file. The
+    CLI knows which option it read, so it says (``run_battery(layout_file=...)``); being
+    a ``str``, the reference flows through every stage's ``preset`` argument unchanged.
+    """
+
+    is_file: bool
+
+    def __new__(cls, text: str, *, is_file: bool) -> LayoutRef:
+        ref = super().__new__(cls, text)
+        ref.is_file = is_file
+        return ref
+
+
 def _is_file(layout_ref: str) -> bool:
+    """Whether ``layout_ref`` names a layout file: as its ``LayoutRef`` says, else (a
+    caller that did not say: the zoo's own runs, tests) anything but a preset or zoo
+    layout's name."""
+    if isinstance(layout_ref, LayoutRef):
+        return layout_ref.is_file
     from kvcore.presets import PRESETS
     from kvcore.zoo import LAYOUTS
     return layout_ref not in PRESETS and layout_ref not in LAYOUTS
@@ -485,31 +512,74 @@ def run_canaries(config: OffloadConfig, result: BatteryResult, *, preset: str, s
     with ``KVCORE_CHECK=1`` has. Later stages run some schedulers with checks off (the
     refinement's odd seeds), where a check whose ``if`` was inverted would fire and
     pass for live.
+
+    Below the default budget (``CHECK_SEEDS``), a surviving mutant may be a bug the few
+    seeds never met (``--seeds 1``: no store's block reused while in flight). The stages
+    are deterministic, so a run under the mutant whose every check counted exactly as
+    often as in an unmutated run may have done nothing the bug changed: that canary is
+    reported untested (a "coverage" failure, exit 5) naming the budget to raise. Equal
+    counts do not prove the bug was not met (a bug can change bytes, not how many
+    records are checked), so at the default budget or more, the one CI runs, every
+    survivor stays a failure; and a survivor whose counts differ always is one.
     """
+    budget = f"--seeds {seeds} --examples {examples} --steps {steps}"
+    unmutated: dict[str, int] | None = None
+    untested: list[MutantOutcome] = []
     for mutant in MUTANTS:
         outcome = run_mutant(mutant, {preset: config}, seeds=seeds, examples=examples,
                              steps=steps, only=CANARY_STAGES)
         if outcome.ok:
             continue
+        if outcome.status == "survived" and seeds < CHECK_SEEDS:
+            if unmutated is None:
+                unmutated = run_battery(config, preset=preset, seeds=seeds,
+                                        examples=examples, steps=steps, shrink=False,
+                                        only=CANARY_STAGES).checked
+            if outcome.checked == unmutated:
+                untested.append(outcome)
+                continue
         result.failure = Failure(
             "canary", [mutant.expect],
             f"the check of {mutant.expect} is not live: the planted bug {mutant.name!r} "
             f"({mutant.origin}) was {outcome.describe()}, not caught by {mutant.expect} as "
-            "declared", f"kvcore check --no-proofs {layout_flag(preset)} --mutants",
+            "declared", f"kvcore check --no-proofs {layout_flag(preset)} {budget} --mutants",
             "canaries", mutant.name)
         return
+    if untested:
+        ids = list(dict.fromkeys(o.expected for o in untested))
+        bugs = ", ".join(f"{o.name!r} ({o.origin}; its check: {o.expected})" for o in untested)
+        result.failure = Failure(
+            "coverage", ids,
+            f"canaries not put to the test: with {budget} the planted bug(s) {bugs} never "
+            "changed what the directed scenarios and simulations did (every check counted "
+            "as often as without them), so whether their checks are live is unknown; "
+            f"raise --seeds (now {seeds}; the default is 24), which plants each bug in "
+            "more runs", f"kvcore check --no-proofs {layout_flag(preset)} {budget}",
+            "canaries", ",".join(o.name for o in untested))
 
 
 def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int,
                 steps: int, factory: Any = None, shrink: bool = True,
                 progress: Progress | None = None, apply: Apply | None = None,
-                canaries: bool = False, only: tuple[str, ...] | None = None
-                ) -> BatteryResult:
+                canaries: bool = False, only: tuple[str, ...] | None = None,
+                layout_file: bool | None = None) -> BatteryResult:
     """Every stage in order, stopping at the first failure; ``progress`` gets one line per
     stage as it ends. ``apply`` (a mutant's) is entered afresh per stage and per seed.
     ``canaries`` (``kvcore check``'s own run; never under a mutant) ends with the bug
     zoo, each mutant of which must be caught by its declared check. ``only`` runs just
-    those stages, with no coverage verdict (the others' ids stay at 0)."""
+    those stages, with no coverage verdict (the others' ids stay at 0).
+
+    ``layout_file``: whether ``preset`` is the path of the user's layout file (True) or
+    a preset's name (False), for the reproducers; None guesses from the name.
+
+    A layout the directed scenarios cannot exercise within their fixed budget (a window
+    too wide, ``_scenarios.check_fits``) is refused before any stage runs, with a
+    ``HarnessLimit`` naming the field: a limit of the harness, never a failure of kvcore.
+    """
+    if layout_file is not None:
+        preset = LayoutRef(preset, is_file=layout_file)
+    if only is None or "directed" in only:
+        check_fits(config)
     start = time.perf_counter()
     result = BatteryResult()
     if apply is None:
@@ -556,11 +626,23 @@ def run_battery(config: OffloadConfig, *, preset: str, seeds: int, examples: int
             break
     if result.failure is None:
         result.failure = unnamed
-    if result.failure is None and only is None:
-        result.failure = unchecked(result, f"kvcore check --no-proofs {layout_flag(preset)} "
-                                   f"--seeds {seeds} --examples {examples} --steps {steps}")
+    if only is None and (result.failure is None or result.failure.kind == "coverage"):
+        # Untested canaries (``run_canaries``) and unevaluated ids are both inconclusive:
+        # one verdict names them all.
+        zeros = unchecked(result, f"kvcore check --no-proofs {layout_flag(preset)} "
+                          f"--seeds {seeds} --examples {examples} --steps {steps}")
+        result.failure = _inconclusive(zeros, result.failure)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _inconclusive(zeros: Failure | None, canaries: Failure | None) -> Failure | None:
+    """One "coverage" failure from the ids no stage evaluated and the canaries no run put
+    to the test (either may be None)."""
+    if zeros is None or canaries is None:
+        return zeros or canaries
+    return replace(zeros, ids=list(dict.fromkeys(zeros.ids + canaries.ids)),
+                   message=f"{zeros.message}; and {canaries.message}", seed=canaries.seed)
 
 
 def unchecked(result: BatteryResult, reproducer: str = "") -> Failure | None:
@@ -627,6 +709,9 @@ class MutantOutcome:
     stage: str = ""
     seed: str = ""
     fired: str = ""  # every id the failure named (``by`` is the declared one when killed)
+    # Per-invariant counts of the batteries that caught nothing (a survivor's), summed
+    # over its layouts: ``run_canaries`` compares them with an unmutated run's.
+    checked: dict[str, int] = field(default_factory=dict)
 
     @property
     def killed(self) -> bool:
@@ -663,6 +748,7 @@ def run_mutant(mutant: Mutant, layouts: dict[str, OffloadConfig] | None = None, 
     if layouts is None:
         layouts = {name: layout(name) for name in mutant.layouts}
     tried: list[str] = []
+    quiet: dict[str, int] = {}
     for name, config in layouts.items():
         if not mutant.applies(config):
             continue
@@ -671,6 +757,7 @@ def run_mutant(mutant: Mutant, layouts: dict[str, OffloadConfig] | None = None, 
                              steps=steps, shrink=False, apply=mutant.apply, only=only)
         failure = result.failure
         if failure is None or failure.kind == "coverage":
+            _add_counts(quiet, [result.checked])
             continue  # a rule no stage reached is no catch: the next layout may catch it
         fired = ",".join(failure.ids)
         by = fired
@@ -689,7 +776,8 @@ def run_mutant(mutant: Mutant, layouts: dict[str, OffloadConfig] | None = None, 
                              time.perf_counter() - start, failure.stage, failure.seed, fired)
     status = "survived" if tried else "n/a"
     return MutantOutcome(mutant.name, mutant.origin, mutant.expect, status, "",
-                         ",".join(tried or layouts), time.perf_counter() - start)
+                         ",".join(tried or layouts), time.perf_counter() - start,
+                         checked=quiet)
 
 
 def run_mutants(layouts: dict[str, OffloadConfig] | None = None, *, seeds: int,

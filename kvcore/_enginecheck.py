@@ -1281,10 +1281,27 @@ def _recency(mgr: CPUOffloadManager, groups: Sequence[int]) -> list[tuple[Key, .
     return [tuple(getattr(mgr.policy_of(g), "order", tuple)()) for g in groups]
 
 
+# Keys the manager checks below keep in one group at once: ``_mixed_touch`` stores two
+# per group (a touch reorders only a group holding two), ``_manager_calls`` a ready, a
+# pinned and a writing key in group 0.
+MANAGER_CHECK_SLOTS = 3
+
+
+def _roomy_tier(config: OffloadConfig) -> CPUOffloadManager:
+    """The layout's tier (``for_config``: its groups, its event bound), with at least
+    ``MANAGER_CHECK_SLOTS`` slots per group.
+
+    ``num_cpu_blocks`` may legally be 1; such a tier rightly refuses a store of the keys
+    these checks hold at once, and that refusal is the layout's limit, not kvcore's fault
+    (no X2). Every rule these checks judge is per key, so a few more slots change none."""
+    slots = max(MANAGER_CHECK_SLOTS, config.num_cpu_blocks)
+    return CPUOffloadManager.for_config(replace(config, num_cpu_blocks=slots))
+
+
 def _mixed_touch(config: OffloadConfig, checked: dict[str, int]) -> None:
     """A ``touch`` naming keys of two groups refreshes each group's own LRU order (X2):
     the scheduler touches one group per call, an engine driving the tier may not."""
-    mgr = CPUOffloadManager.for_config(config)
+    mgr = _roomy_tier(config)
     a0, b0, a1, b1 = (make_key(bytes([i]) * 8, g) for i, g in ((1, 0), (2, 0), (3, 1), (4, 1)))
     for name, step in (("prepare_store", partial(mgr.prepare_store, [a0, b0, a1, b1])),
                        ("complete_store", partial(mgr.complete_store, [a0, b0, a1, b1])),
@@ -1341,14 +1358,15 @@ def _manager_calls(config: OffloadConfig, checked: dict[str, int]) -> None:
     The scheduler never sends these (it releases only what it pinned), so the simulator
     never does; an engine driving the manager itself can. Each must raise the error the
     key's state implies, carrying that state, the pin count and the releases, and change
-    nothing: a multi-key call is validated before any key is released.
+    nothing: a multi-key call is validated before any key is released. The tier has room
+    for the three keys it holds (``_roomy_tier``) whatever the layout's ``num_cpu_blocks``.
     """
-    mgr = CPUOffloadManager.for_config(config)
+    mgr = _roomy_tier(config)
 
     def key(i: int, group: int = 0) -> Key:
         return make_key(bytes([i]) * 8, group)
     ready, pinned, writing, absent = key(1), key(2), key(3), key(4)
-    # The set-up itself is valid calls on an empty tier of the config's size (X2).
+    # The set-up itself is valid calls on an empty tier of the config's groups (X2).
     setup: list[tuple[str, Call]] = [
         ("prepare_store", partial(mgr.prepare_store, [ready, pinned])),
         ("complete_store", partial(mgr.complete_store, [ready, pinned])),

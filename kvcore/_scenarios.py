@@ -33,6 +33,7 @@ from kvcore.scheduler import (
     StepInput,
     WorkerReport,
 )
+from kvcore.sim._engine import SHADOW_MAX_CHUNKS, HarnessLimit
 from kvcore.sim._shadow import ShadowedManager
 from kvcore.sim._workload import speculative_off
 from kvcore.spec.errors import BadReportError
@@ -54,6 +55,20 @@ Factory = Callable[..., OffloadScheduler]
 # spec's exhaustive hit.
 LOOKUP_CASES = 120
 LOOKUP_MAX_UNITS = 3
+# The crafted lookups' longest request, in chunks of all groups (``request_chunks``): the
+# spec's exhaustive hit, which the scheduler's check computes at every lookup, tests each
+# chunk end against each group's chunks, so a case costs about the square of it. 8192
+# chunks take about 30 s on a busy 2-core machine; a window reaching further is looked
+# up over requests this long, where it binds no more than in the simulations' prompts
+# (``kvcore._check.check_context``), instead of for hours (or, for a 2**24-token window
+# of 1-token blocks, in 23 GB).
+LOOKUP_MAX_CHUNKS = 8192
+# What the stale-block scenario, which must see blocks leave a window, may hold: its
+# requests' block hashes and GPU ids (``stale_blocks_items``), each some hundred bytes
+# and ten microseconds across the scheduler, the tier and the checks: at the bound about
+# 200 MB and 10 s on a busy 2-core machine. A layout whose window needs more is refused
+# up front (``check_fits``) as a limit of the harness.
+DIRECTED_MAX_ITEMS = 1 << 20
 
 
 # Where the running scenarios add their checks' counts (``tallied``); None: nowhere.
@@ -132,6 +147,18 @@ def _allocated(tables: tuple[tuple[int, ...], ...]) -> frozenset[int]:
     return frozenset(i for t in tables for i in t if i)
 
 
+def _checked_tier(cfg: OffloadConfig) -> CPUOffloadManager:
+    """kvcore's tier for ``cfg`` (its pools, its event bound) with its own checks on, as
+    an engine's with ``KVCORE_CHECK=1``, whatever the environment says.
+
+    The lock-step scenarios compare the tier's stats with the reference's after every
+    hook (R1). With the tier's checks off, a tier bug surfaced there first, as R1, where
+    the tier's own check (M1, M3) would have named it at the call: on a layout with
+    ``max_pending_events = 0`` a buffer that never drops was named R1 (events_dropped 0
+    against the reference's 6), and the M3 canary read as a dead check."""
+    return CPUOffloadManager.for_config(cfg, check=True)
+
+
 def _store_ready(manager: Any, keys: list[bytes]) -> None:
     out = manager.prepare_store(keys)
     if out is not None:
@@ -164,7 +191,7 @@ def _stored_in_lock_step(factory: Factory, cfg: OffloadConfig
                          ) -> tuple[OffloadScheduler, int] | None:
     """``_prefill_with_store`` in lock step on kvcore's tier, its stores reported done:
     (scheduler, tokens stored), or None where the layout stores nothing there."""
-    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    got = _prefill_with_store(_lockstepped(factory), cfg, _checked_tier(cfg))
     if got is None:
         return None
     sched, done, plan = got
@@ -204,9 +231,8 @@ def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfi
     compares the tracked requests after every hook, so one kept for good is named), the
     workers' late report for the discarded job is ignored, and a new request is served
     as by the reference."""
-    from kvcore.manager import CPUOffloadManager
     cfg = small(config)
-    got = _prefill_with_store(_lockstepped(factory), cfg, CPUOffloadManager.for_config(cfg))
+    got = _prefill_with_store(_lockstepped(factory), cfg, _checked_tier(cfg))
     if got is None:
         return
     sched, _, plan = got
@@ -335,24 +361,128 @@ def window_reverified_after_shrink(factory: Factory, config: OffloadConfig) -> N
 def stale_window_block_after_refused_store(factory: Factory, config: OffloadConfig) -> None:
     """Stale blocks: window blocks the engine freed and handed out again are not stored
     under their old keys, whether the store was refused (no room) and is retried, or a
-    reset moved the cursor back behind them."""
+    reset moved the cursor back behind them. A window too wide for the scenario's budget
+    is refused (``check_fits``: ``kvcore check`` asks before its first stage)."""
     windows = [i for i, g in enumerate(config.groups) if g.kind is not GroupKind.FULL]
     if not windows:
         return
+    check_fits(config)
     for refused in (True, False):
         _stale_blocks_once(factory, config, windows, refused)
 
 
+# Keys the refused-store run pins in a tier just their size, so the tier is full.
+STALE_PINS = 64
+
+
+def stale_blocks_unit(config: OffloadConfig) -> int:
+    """The stale-block scenario's unit: a whole number of every group's chunks, wider than
+    every window's reach, so blocks leave the window within its three-unit request."""
+    base = unit_tokens(config)
+    reach = max((g.reach_tokens for g in config.groups if g.kind is not GroupKind.FULL),
+                default=0)
+    return base * max(1, cdiv(reach + 1, base))
+
+
+def request_items(config: OffloadConfig, tokens: int) -> int:
+    """What a request of ``tokens`` tokens holds in the directed scenarios, as one count:
+    its block hashes and its GPU block ids in every group. Their memory and time grow
+    with it."""
+    return tokens // config.hash_block_tokens + sum(cdiv(tokens, g.tokens_per_block)
+                                                    for g in config.groups)
+
+
+def request_chunks(config: OffloadConfig, tokens: int) -> int:
+    """The whole chunks of every group in a request of ``tokens`` tokens."""
+    return sum(tokens // g.tokens_per_chunk for g in config.groups)
+
+
+def tokens_within(config: OffloadConfig, items: int) -> int:
+    """About the longest request whose ``request_items`` stay within ``items``."""
+    per_token = 1 / config.hash_block_tokens + sum(1 / g.tokens_per_block
+                                                   for g in config.groups)
+    return int(items / per_token)
+
+
+def stale_blocks_items(config: OffloadConfig) -> int:
+    """An upper bound on what the stale-block scenario holds at once: its three-unit
+    request's hashes and ids, the window floors of two units it computes, and the few
+    pinned keys' hashes; at most the items of five units."""
+    return request_items(config, 5 * stale_blocks_unit(config))
+
+
+def check_fits(config: OffloadConfig) -> None:
+    """Refuse, before any scenario runs, a layout whose window the stale-block scenario
+    cannot move blocks out of within ``DIRECTED_MAX_ITEMS``.
+
+    The scenario needs a request longer than the window's reach, so its cost grows with
+    ``window_tokens`` over ``tokens_per_block`` and cannot be capped without testing
+    nothing: a 2**24-token window of 1-token blocks asked for 23 GB and was killed. That
+    is a limit of ``kvcore check``'s harness, not a fault of kvcore, so it is a
+    ``HarnessLimit`` (a usage error, exit 2) that names the field, never an invariant
+    failure, a crash or an out-of-memory kill."""
+    windows = [i for i, g in enumerate(config.groups) if g.kind is not GroupKind.FULL]
+    if not windows:
+        return
+    items = stale_blocks_items(config)
+    if items <= DIRECTED_MAX_ITEMS:
+        return
+    widest = max(windows, key=lambda i: config.groups[i].reach_tokens)
+    g = config.groups[widest]
+    unit = stale_blocks_unit(config)
+    fits = max(0, tokens_within(config, DIRECTED_MAX_ITEMS) // 5 - unit_tokens(config))
+    field = "window_tokens" if g.kind is GroupKind.SLIDING else "tokens_per_block"
+    raise HarnessLimit(
+        f"groups[{widest}].{field}",
+        f"kvcore check's stale-block scenario must see GPU blocks leave this group's "
+        f"window (reach {g.reach_tokens} tokens), which takes requests of up to five "
+        f"{unit}-token units: about {items} block hashes and GPU ids, past the directed "
+        f"stage's fixed budget of {DIRECTED_MAX_ITEMS} (memory and time grow with it); "
+        f"at these block sizes a reach of about {fits} tokens fits: check this layout "
+        "with a smaller window_tokens (and extra_retained_tokens), or with larger "
+        "tokens_per_block and hash_block_tokens")
+
+
+def stale_blocks_gpu(config: OffloadConfig) -> int:
+    """The stale-block scenario's GPU pool: every id it hands out (the first step's two
+    units, then one more unit, in every group; ids from 1) and the null block, and at
+    least kvcore's small pool."""
+    handed_out = sum(cdiv(3 * stale_blocks_unit(config), g.tokens_per_block)
+                     for g in config.groups)
+    return max(4096, 1 + handed_out)
+
+
+def stale_blocks_cpu(config: OffloadConfig) -> int:
+    """The stale-block scenario's tier, in slots per group: every chunk of its three-unit
+    request in the group with the most (after a reset the whole request is offered
+    again, beside what it stored before), and at least kvcore's small tier."""
+    return max(4096, max(cdiv(3 * stale_blocks_unit(config), g.tokens_per_chunk)
+                         for g in config.groups))
+
+
 def _stale_blocks_once(factory: Factory, config: OffloadConfig, windows: list[int],
                        refused: bool) -> None:
-    # A unit wider than every window, so blocks leave the window within the request.
-    base = unit_tokens(config)
-    unit = base * max(1, cdiv(max(config.groups[i].reach_tokens for i in windows) + 1, base))
-    other = _hashes(4 * unit // config.hash_block_tokens, salt=9)
+    unit = stale_blocks_unit(config)
+    # The keys pinned to fill the tier: the first STALE_PINS of another prefix, group 0's
+    # first. Its hashes stop where group 0 alone gives them all (four units' worth made a
+    # window-sized unit cost four times over, for 64 keys).
+    hbt = config.hash_block_tokens
+    other = _hashes(min(4 * unit, STALE_PINS * config.groups[0].tokens_per_chunk) // hbt,
+                    salt=9)
     pin = [k for group in range(len(config.groups))
-           for k in group_keys(config, group, other)][:64]
-    cfg = small(config, cpu=len(pin) if refused else 4096)
-    manager = ShadowedManager(cpu_capacities(cfg))
+           for k in group_keys(config, group, other)][:STALE_PINS]
+    # The scenario's own pools, sized from what it hands out and stores: the unit grows
+    # with the window, past kvcore's small 4096-block pool from a 16K-token window of
+    # 16-token blocks on, and past its 4096-slot tier from a 32K-token one, where every
+    # store was refused for room and no stale block could be offered (``stale_blocks_gpu``,
+    # ``stale_blocks_cpu``). The refused run's tier is the pinned keys' own, so it is full.
+    cfg = small(config, cpu=len(pin) if refused else stale_blocks_cpu(config),
+                gpu=stale_blocks_gpu(config))
+    # The reference manager beside kvcore's tier (M2) is quadratic by design: only for a
+    # tier the size the simulator shadows too. What this scenario judges is the blocks a
+    # store reads; a wider tier runs with its own checks on.
+    manager: Any = ShadowedManager(cpu_capacities(cfg)) \
+        if cfg.num_cpu_blocks <= SHADOW_MAX_CHUNKS else _checked_tier(cfg)
     if refused:
         _store_ready(manager, pin)
         manager.prepare_load(pin)  # the tier is full, nothing evictable: stores refused
@@ -393,9 +523,18 @@ def finished_then_follow_ups(factory: Factory, config: OffloadConfig) -> None:
     """Integrity after finish: A is prefilled to one token short of two units, samples
     the token that completes them (it has no KV yet) and is aborted once its stores
     landed; B extends A by a unit and C shares B's extension. Every load must bring back
-    the bytes a prefill computed, never a chunk stored from A's unwritten tail."""
+    the bytes a prefill computed, never a chunk stored from A's unwritten tail.
+
+    n/a where the layout's ``max_offload_tokens`` is below B's three-unit prompt (0 above
+    all: it stores nothing): what may be stored is then the layout's choice, and the
+    run's loads, which the scenario demands so that its byte check is not vacuous, may
+    rightly be none. From three units up the cap binds on nothing the follow-ups can
+    load (C shares only B's prompt, A's two units lie inside it), so the run loads
+    exactly what an uncapped one does."""
     from kvcore.sim import SimOptions, Simulator
     unit = unit_tokens(config)
+    if config.max_offload_tokens is not None and config.max_offload_tokens < 3 * unit:
+        return
     # The scenario's own pool, as every other stage has: the layout's num_gpu_blocks is
     # the engine's, and one too small for three units would stop the run, not test it.
     longest = 3 * unit + 16  # C: two units, one more, new tokens and draft tokens
@@ -456,6 +595,11 @@ def _crafted_lookups(factory: Factory, config: OffloadConfig) -> None:
     hbt = cfg.hash_block_tokens
     reach = max(g.reach_tokens + g.tokens_per_chunk for g in cfg.groups)
     longest = LOOKUP_MAX_UNITS * max(unit, reach)
+    if request_chunks(cfg, longest) > LOOKUP_MAX_CHUNKS:
+        # A window reaching past the budget: requests as long as the budget allows (and
+        # at least the units every case needs); see LOOKUP_MAX_CHUNKS.
+        per_token = sum(1 / g.tokens_per_chunk for g in cfg.groups)
+        longest = max(LOOKUP_MAX_UNITS * unit, int(LOOKUP_MAX_CHUNKS / per_token))
     for case in range(LOOKUP_CASES):
         settled = case < LOOKUP_CASES // 2
         n = rng.choice([rng.randrange(1, longest) + hbt,
@@ -593,7 +737,7 @@ def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:
     ids = _ids(config, n, 1)
     blocks = 1 + sum(len(t) for t in ids)
     cfg = small(config, cpu=max(4096, 2 * blocks), gpu=blocks + 1)
-    sched = _lockstepped(factory)(cfg, CPUOffloadManager.for_config(cfg), check=True)
+    sched = _lockstepped(factory)(cfg, _checked_tier(cfg), check=True)
     hashes = _hashes(n // hbt, salt=11)
     first = unit // hbt  # the prompt's own tuple holds one unit's hashes; the rest follow
     sched.add_request(RequestInfo("a", n, hashes[:first]))
@@ -650,7 +794,7 @@ def scheduled_and_preempted(factory: Factory, config: OffloadConfig) -> None:
     for check, kind in itertools.product((True, False),
                                          (ScheduledRequest, EngineScheduledRequest)):
         cfg = small(config)
-        sched = _lockstepped(factory)(cfg, CPUOffloadManager.for_config(cfg), check=check)
+        sched = _lockstepped(factory)(cfg, _checked_tier(cfg), check=check)
         sched.add_request(RequestInfo("a", n, _hashes(n // cfg.hash_block_tokens, salt=5)))
         sched.add_request(RequestInfo("b", n, _hashes(n // cfg.hash_block_tokens, salt=6)))
         sched.lookup("a", 0, n)

@@ -273,7 +273,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     # battery's last stage plants each and asks that its check is live.
     result = _check.run_battery(config, preset=ref, seeds=args.seeds,
                                 examples=args.examples, steps=args.steps, progress=progress,
-                                canaries=not args.mutants)
+                                canaries=not args.mutants,
+                                layout_file=args.config is not None)
     table = _check.invariant_table(result)
     report["invariants"] = table
     report["seconds"] = round(result.seconds, 2)
@@ -475,6 +476,8 @@ def _check_parser(sub: Any) -> None:
     c.add_argument("--json", help="write the results as JSON to this file")
     c.add_argument("--mutants", action="store_true", help="also run the bug zoo")
     c.add_argument("--no-proofs", action="store_true", help="skip the CrossHair proofs")
+    # 24 is kvcore._check.CHECK_SEEDS (imported lazily: --help must not load torch);
+    # tests/unit/test_check_edge_layouts.py holds the two equal.
     c.add_argument("--seeds", type=_count("seeded simulations", 1, MAX_SEEDS), default=24,
                    help=f"seeded simulations, 1..{MAX_SEEDS} (default 24)")
     c.add_argument("--examples", type=_count("state-machine examples", 1, MAX_EXAMPLES),

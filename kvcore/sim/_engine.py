@@ -42,6 +42,12 @@ from kvcore.transfer._stream import NO_FAULT, injected_fault
 
 # The largest CPU tier (in chunks) the simulator shadows with the reference manager.
 SHADOW_MAX_CHUNKS = 8192
+# The simulator's GPU pool, in bytes. Its blocks hold only the byte check's pattern
+# (``layers`` x ``row_elems`` int64s per block and group), but torch allocates and zeroes
+# all of them up front: 64 groups of 2**24 blocks (both within their limits) asked for
+# 64 GiB and crashed. 2 GiB holds the largest pool num_gpu_blocks allows (2**24 blocks)
+# for two groups.
+SIM_MAX_GPU_BYTES = 2 << 30
 
 
 class IntegrityError(AssertionError):
@@ -107,6 +113,24 @@ class HarnessLimit(ConfigError):
     refusing an engine's call, so ``kvcore check`` reports it as a crash (never X2)."""
 
 
+def check_gpu_pool(config: OffloadConfig, options: SimOptions) -> None:
+    """Refuse, before torch allocates it, a GPU pool past ``SIM_MAX_GPU_BYTES``: a
+    ``HarnessLimit`` (exit 2) naming the size and the most blocks that fit, not torch's
+    out-of-memory error from deep inside the set-up (a crash, exit 4)."""
+    elem = torch.iinfo(torch.int64).bits // 8  # the pool's dtype (``Simulator.gpu``)
+    per_block = len(config.groups) * options.layers * options.row_elems * elem
+    need = config.num_gpu_blocks * per_block
+    if need > SIM_MAX_GPU_BYTES:
+        raise HarnessLimit("num_gpu_blocks", f"the simulator's GPU pool of "
+                           f"{config.num_gpu_blocks} blocks x {len(config.groups)} groups x "
+                           f"{per_block // len(config.groups)} bytes (its {options.layers} "
+                           f"layers' pattern) would take {need} bytes, past its limit of "
+                           f"{SIM_MAX_GPU_BYTES} ({SIM_MAX_GPU_BYTES >> 30} GiB); lower "
+                           f"num_gpu_blocks to at most {SIM_MAX_GPU_BYTES // per_block} for "
+                           "this layout (the simulator needs only the blocks its requests "
+                           "hold at once)")
+
+
 class Simulator:
     """Runs one seeded workload through the real scheduler, manager and transfer engine."""
 
@@ -137,6 +161,7 @@ class Simulator:
         except ConfigError as exc:
             raise HarnessLimit(exc.field, f"the simulator's options do not fit this layout: "
                                f"{exc}") from exc
+        check_gpu_pool(cfg, opts)
         self.rng = random.Random(f"sim:{opts.seed}")
         policy = opts.policy or "lru"
         # With checks on, the tier runs in lock step with the reference manager (M2); the
