@@ -750,7 +750,7 @@ def run_mutant(mutant: Mutant, layouts: dict[str, OffloadConfig] | None = None, 
     tried: list[str] = []
     quiet: dict[str, int] = {}
     for name, config in layouts.items():
-        if not mutant.applies(config):
+        if not mutant.can_matter(config):
             continue
         tried.append(name)
         result = run_battery(config, preset=name, seeds=seeds, examples=examples,

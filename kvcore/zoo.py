@@ -52,7 +52,9 @@ class Mutant:
     catch must come from a hook's own check (what ``KVCORE_CHECK=1`` gives an engine),
     not from a harness beside it; False where only a harness can see the bug (a
     scheduler told a failed copy succeeded cannot know better; wrong bytes show only
-    when read back).
+    when read back). ``needs_stores``: the bug acts on what was stored (a store, a job,
+    a load, a hit, an eviction, an event); on a layout that stores nothing
+    (``max_offload_tokens = 0``) it cannot change behaviour, so it is n/a there.
     """
 
     name: str
@@ -62,6 +64,11 @@ class Mutant:
     apply: Callable[[], contextlib.AbstractContextManager[Factory | None]]
     applies: Callable[[OffloadConfig], bool] = _always
     at_runtime: bool = True
+    needs_stores: bool = True
+
+    def can_matter(self, cfg: OffloadConfig) -> bool:
+        """Whether the bug can change behaviour on ``cfg`` (else it is reported n/a)."""
+        return (not self.needs_stores or cfg.max_offload_tokens != 0) and self.applies(cfg)
 
 
 # -- store rules -------------------------------------------------------------------------
@@ -285,13 +292,14 @@ def _unchecked_block_id(original: Any) -> Any:
 
 
 def _lookup_ignores_jobs(original: Any) -> Any:
-    def lookup(self: OffloadScheduler, request_id: str, computed: int, num_tokens: int) -> Any:
+    def lookup(self: OffloadScheduler, request_id: str, computed: int, num_tokens: int, *,
+               max_tokens: int | None = None) -> Any:
         req = self._reqs.get(request_id)
         saved = set(req.jobs) if req is not None else set()
         if req is not None:
             req.jobs.clear()
         try:
-            return original(self, request_id, computed, num_tokens)
+            return original(self, request_id, computed, num_tokens, max_tokens=max_tokens)
         finally:
             if req is not None:
                 req.jobs.update(saved)
@@ -498,7 +506,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("keys-without-group", "hybrid offload keyed by the block hash alone: two "
            "groups' chunks that end on the same hash share one key, so one group is "
            "served the other's bytes", ("gpt-oss", V4), "K1",
-           _method_patch(GroupKeys, "__init__", _keys_without_group), _several_groups),
+           _method_patch(GroupKeys, "__init__", _keys_without_group), _several_groups,
+           needs_stores=False),
     Mutant("load-starts-late", "a load planned from one block past the first unfilled "
            "one: the request is told that block holds its prefix, and it holds stale "
            "bytes", ("gpt-oss", V4), "L3",
@@ -521,7 +530,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "E3", _converge_patch(rearm_on_draft_shrink=False), _two_drafts),
     Mutant("pending-when-any-unknown", "vLLM 0.33: PENDING whenever a scanned key is "
            "unknown, even when no answer for it changes the hit", ("gpt-oss", V4), "L2",
-           _lookup_hit_patch("any-unknown")),
+           _lookup_hit_patch("any-unknown"), _several_groups),
     Mutant("mamba-hit-not-rounded", "vLLM 0.33: Mamba groups not re-verified after a "
            "shrink, so the hit ends off a Mamba chunk", ("mamba-and-window",), "L1",
            _converge_patch(reverify_mamba=False), _mamba_shrunk_off_chunk),

@@ -275,3 +275,29 @@ def test_the_event_buffer_canary_is_named_by_m3_on_a_layout_without_events() -> 
     outcome = _check.run_mutant(_mutant("event-buffer-unbounded"), {"no_events": config},
                                 seeds=1, examples=1, steps=1, only=_check.CANARY_STAGES)
     assert outcome.killed and outcome.by == "M3", outcome.describe()
+
+
+# -- the zoo on a layout that stores nothing -----------------------------------------------
+
+def test_on_a_layout_that_stores_nothing_only_the_key_mutant_can_matter() -> None:
+    """``max_offload_tokens = 0``: nothing is stored, so no store, job, load, hit,
+    eviction or event bug can change behaviour; only the keys (derived whatever is
+    stored) can. Such mutants were run there and reported as survivors or crashes.
+    Mutant: ``needs_stores`` ignored by ``can_matter``."""
+    cfg = replace(preset("gpt-oss"), max_offload_tokens=0)
+    assert [m.name for m in zoo.MUTANTS if m.can_matter(cfg)] == ["keys-without-group"]
+    assert len([m for m in zoo.MUTANTS if m.can_matter(preset("gpt-oss"))]) > 10
+
+
+def test_the_lookup_while_jobs_mutant_takes_a_lookup_cap() -> None:
+    """The mutant's lookup had no ``max_tokens``: a capped lookup made the planted bug
+    itself raise TypeError, a crash instead of the J1 catch it is there for."""
+    from kvcore.manager import CPUOffloadManager
+    from kvcore.spec.hooks import RequestInfo
+    cfg = preset("gpt-oss")
+    with _mutant("lookup-while-jobs").apply():
+        sched = OffloadScheduler(cfg, CPUOffloadManager.for_config(cfg), check=True)
+        tokens = 4 * cfg.hash_block_tokens
+        sched.add_request(RequestInfo("r", tokens, tuple(bytes([i + 1]) * 8
+                                                         for i in range(4))))
+        assert sched.lookup("r", 0, tokens, max_tokens=2) == 0
