@@ -113,6 +113,25 @@ class HarnessLimit(ConfigError):
     refusing an engine's call, so ``kvcore check`` reports it as a crash (never X2)."""
 
 
+def request_blocks(config: OffloadConfig, opts: SimOptions) -> int:
+    """An upper bound on the GPU blocks one simulated request holds at once: a FULL
+    group's whole table; a window group's blocks from its reach before the step to the
+    step's end, twice over (its floor trails the computed tokens by a step or two). The
+    longest request: the context, a shared prefix's extra tokens (< 32), the new tokens
+    and a few draft tokens."""
+    tokens = opts.context_tokens + 32 + opts.max_new_tokens + 8
+    total = 0
+    for g in config.groups:
+        whole = cdiv(tokens, g.tokens_per_block)
+        if g.kind is GroupKind.FULL or not g.window_tokens:
+            total += whole
+        else:
+            span = g.window_tokens + g.extra_retained_tokens + opts.prefill_budget + \
+                2 * g.tokens_per_chunk
+            total += min(whole, 2 * cdiv(span, g.tokens_per_block))
+    return total
+
+
 def check_gpu_pool(config: OffloadConfig, options: SimOptions) -> None:
     """Refuse, before torch allocates it, a GPU pool past ``SIM_MAX_GPU_BYTES``: a
     ``HarnessLimit`` (exit 2) naming the size and the most blocks that fit, not torch's

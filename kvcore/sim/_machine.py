@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvcore.scheduler import BadReportError, WorkerReport
-from kvcore.sim._engine import Simulator
+from kvcore.sim._engine import Simulator, request_blocks
 from kvcore.sim._workload import SimOptions
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import Violation
@@ -55,6 +55,10 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
                                  fail_rate=0.0, delay_rate=0.0, abort_rate=0.0,
                                  reset_rate=0.0, policy=policy, prompt_only=prompt_only,
                                  request_cap_rate=caps, gpu_cache_rate=cached)
+            # Two requests at least on a layout of tiny blocks (as stage_options).
+            floor = 2 * request_blocks(config, options) + 1
+            if floor > 1500:
+                options = replace(options, num_gpu_blocks=floor)
             if trace is not None:
                 trace.clear()
                 trace.update(seed=seed, workers=workers, cpu=cpu, context=context,

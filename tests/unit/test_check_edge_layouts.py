@@ -301,3 +301,30 @@ def test_the_lookup_while_jobs_mutant_takes_a_lookup_cap() -> None:
         sched.add_request(RequestInfo("r", tokens, tuple(bytes([i + 1]) * 8
                                                          for i in range(4))))
         assert sched.lookup("r", 0, tokens, max_tokens=2) == 0
+
+
+# -- 1-token blocks ----------------------------------------------------------------------------
+
+def _one_token_blocks() -> OffloadConfig:
+    cfg = preset("gemma3")
+    return replace(cfg, hash_block_tokens=1,
+                   groups=tuple(replace(g, tokens_per_block=1) for g in cfg.groups))
+
+
+@pytest.mark.parametrize("stage", [{}, {"hostile": True}, {"lockstep": True}],
+                         ids=["simulations", "bad calls", "refinement"])
+def test_one_token_blocks_get_pools_that_hold_their_requests(stage: dict[str, bool]) -> None:
+    """gemma3 with 1-token blocks: the simulations' fixed pools (1,500 and 700 blocks)
+    could not hold one request (2,090 blocks at once), so every stage ended in a
+    HarnessLimit and `kvcore check` in exit 4 on a legal layout. The pools now hold two
+    requests at least (the presets' pools are unchanged). Mutant: the floor dropped."""
+    cfg = _one_token_blocks()
+    opts = replace(_check.stage_options(1, cfg, **stage), requests=2)
+    assert opts.num_gpu_blocks > 1500
+    Simulator(cfg, opts, check=False).run()
+
+
+def test_the_presets_keep_their_simulation_pools() -> None:
+    for name in ("gemma3", "deepseek-v4-mtp", "llama3-eagle3"):
+        for seed in range(12):
+            assert _check.stage_options(seed, preset(name)).num_gpu_blocks in (700, 1500)
