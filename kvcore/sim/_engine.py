@@ -150,17 +150,35 @@ def check_gpu_pool(config: OffloadConfig, options: SimOptions) -> None:
                            "hold at once)")
 
 
+def _check_device(device: object) -> None:
+    """``cpu``, or ``cuda``/``cuda:N`` where torch has that device: said here, not by
+    torch's own error halfway through setting up."""
+    if device == "cpu":
+        return
+    if not isinstance(device, str) or not (device == "cuda" or device.startswith("cuda:")):
+        raise ConfigError("device", f"device={device!r}: use 'cpu' or 'cuda' ('cuda:N')")
+    index = 0 if device == "cuda" else device[5:]
+    if not (isinstance(index, int) or index.isdigit()):
+        raise ConfigError("device", f"device={device!r}: use 'cpu' or 'cuda' ('cuda:N')")
+    if not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
+        raise ConfigError("device", f"device={device!r}, but torch sees "
+                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+                          " CUDA devices; use device='cpu'")
+
+
 class Simulator:
     """Runs one seeded workload through the real scheduler, manager and transfer engine."""
 
     def __init__(self, config: OffloadConfig, options: SimOptions, *,
                  check: bool = True, device: str = "cpu",
                  scheduler_factory: Any = None) -> None:
+        if not isinstance(config, OffloadConfig):
+            raise ConfigError("config", f"is a {type(config).__name__}; pass an OffloadConfig "
+                              "(kvcore.presets.preset or kvcore.load_config)")
+        if not isinstance(options, SimOptions):
+            raise ConfigError("options", f"is a {type(options).__name__}; pass a SimOptions")
+        _check_device(device)
         self.options = opts = options.drawn()
-        if opts.lockstep and opts.hostile:
-            raise ValueError("lockstep=True with hostile=True: the bad twins would reach the "
-                             "reference model, which is not built to bounce them; run each "
-                             "on its own, as kvcore check's refinement and bad-calls stages do")
         overrides: dict[str, Any] = {"num_workers": opts.num_workers}
         if opts.prompt_only:
             overrides["prompt_only"] = True
@@ -195,9 +213,6 @@ class Simulator:
         factory = scheduler_factory or OffloadScheduler
         self.scheduler: OffloadScheduler = factory(cfg, self.manager, check=check)
         if opts.lockstep:
-            if policy != "lru":
-                raise ValueError(f"lockstep=True needs policy='lru', got {policy!r}: the "
-                                 "reference tier is LRU")
             self.scheduler = paired(self.scheduler, cfg, self.checked)  # type: ignore[assignment]
         if opts.hostile:
             self.scheduler = Hostile(  # type: ignore[assignment]

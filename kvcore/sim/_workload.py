@@ -6,10 +6,28 @@ covers calm runs and stormy ones.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field, fields, replace
 
-from kvcore.spec.types import OffloadConfig
+from kvcore.spec.errors import ConfigError
+from kvcore.spec.types import MAX_CONTEXT_TOKENS, OffloadConfig
+
+# Bounds of the counts (field: low, high). Each is far above a useful run; a value past
+# one is a typo that would otherwise hang generating prompts or burn max_steps idle.
+_COUNTS = {"seed": (0, (1 << 64) - 1), "requests": (0, 100_000),
+           "context_tokens": (1, MAX_CONTEXT_TOKENS), "max_new_tokens": (1, MAX_CONTEXT_TOKENS),
+           "prefill_budget": (1, MAX_CONTEXT_TOKENS), "max_running": (1, 100_000),
+           "spec_tokens": (0, 64), "layers": (1, 1024), "row_elems": (1, 1 << 20),
+           "max_steps": (1, 10**9)}
+# Shares in [0, 1]; None (where allowed) is drawn per seed. A preemption every step (1)
+# would never let a run settle.
+_RATES = ("accept_rate", "shared_prefix_rate", "aligned_prompt_rate", "follow_up_rate",
+          "fail_rate", "delay_rate", "abort_rate", "reset_rate", "preempt_rate",
+          "events_rate", "request_cap_rate", "gpu_cache_rate", "lookup_cap_rate",
+          "skip_reading_rate", "step_hashes_rate", "stream_fault_rate")
+_FLAGS = ("prompt_only", "speculative_off", "own_step_type", "keys_only_tier",
+          "simulate_stream", "lockstep", "hostile")
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,45 @@ class SimOptions:
     # Before a share of the hook calls, make a bad twin of the call that must bounce (A1).
     hostile: bool = False
 
+    def __post_init__(self) -> None:
+        """Every field's type and range, before anything runs: a string count failed deep
+        in a run, a NaN rate ran as if 0, a huge context hung making prompts, and
+        ``max_running=0`` burned 20,000 steps to report a liveness failure. (The pool,
+        tier and worker counts are checked against the layout by the simulator.)"""
+        for name, (low, high) in _COUNTS.items():
+            value = getattr(self, name)
+            if type(value) is not int or not low <= value <= high:
+                raise ConfigError(name, f"{name}={value!r} must be an int in {low}..{high}")
+        for name in _RATES:
+            value = getattr(self, name)
+            if value is None and name in ("fail_rate", "delay_rate", "abort_rate",
+                                          "reset_rate"):
+                continue  # drawn per seed
+            if type(value) not in (int, float) or not (
+                    math.isfinite(value) and 0 <= value <= 1):
+                raise ConfigError(name, f"{name}={value!r} must be a share in 0..1")
+        if self.preempt_rate >= 1:
+            raise ConfigError("preempt_rate", "preempt_rate=1 preempts a request every "
+                              "step, so no run settles; use a share below 1")
+        for name in _FLAGS:
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(name, f"{name}={getattr(self, name)!r} must be True or "
+                                  "False")
+        if self.policy is not None and self.policy not in ("lru", "arc"):
+            raise ConfigError("policy", f"policy={self.policy!r}: use 'lru', 'arc' or None "
+                              "(drawn per seed)")
+        if self.lockstep and self.hostile:
+            raise ConfigError("hostile", "lockstep=True with hostile=True: the bad twins "
+                              "would reach the reference model, which is not built to "
+                              "bounce them; run each on its own, as kvcore check's "
+                              "refinement and bad-calls stages do")
+        if self.lockstep and self.policy == "arc":
+            raise ConfigError("policy", "lockstep=True needs policy='lru' (or None): the "
+                              "reference tier is LRU")
+        if self.stream_fault_rate and not self.simulate_stream:
+            raise ConfigError("stream_fault_rate", "the stand-in stream fails copies only "
+                              "when it runs them: set simulate_stream=True too")
+
     def drawn(self) -> SimOptions:
         """A copy with every unset rate drawn from the seed (printed first by the CLI)."""
         rng = random.Random(f"options:{self.seed}")
@@ -103,6 +160,8 @@ class SimOptions:
                     "reset_rate": rng.choice([0.0, 0.0, 0.01]),
                     "num_workers": rng.choice([1, 2, 4]),
                     "policy": rng.choice(["lru", "arc"])}
+        if self.lockstep:
+            defaults["policy"] = "lru"  # the reference tier is LRU
         for name, value in defaults.items():
             if values[name] is None:
                 values[name] = value
