@@ -483,10 +483,9 @@ def test_a_group_with_no_kv_bytes_is_a_config_error() -> None:
                   kv_cache_config(16, [KVCacheGroupSpec([], attention())]))
 
 
-def test_a_load_finished_before_shutdown_reaches_vllm_after_it() -> None:
-    """The loads an engine finished before shutdown() closed it are owed to vLLM: the
-    next get_finished (of the engine registered after it) names their requests, or
-    they would wait for their KV for good. Mutant: get_finished without the owed set."""
+def _b_loads_what_a_stored() -> Harness:
+    """A stores 32 tokens and finishes; B, with the same prompt, is admitted with a
+    32-token hit, its load queued for the next step."""
     h = _one_group()
     a = h.new_request("A", list(range(33)))
     h.admit(a)
@@ -495,6 +494,14 @@ def test_a_load_finished_before_shutdown_reaches_vllm_after_it() -> None:
     h.finish(a)
     b = h.new_request("B", list(range(33)))
     assert h.admit(b) == 32
+    return h
+
+
+def test_a_load_finished_before_shutdown_reaches_vllm_after_it() -> None:
+    """The loads an engine finished before shutdown() closed it are owed to vLLM: the
+    next get_finished (of the engine registered after it) names their requests, or
+    they would wait for their KV for good. Mutant: get_finished without the owed set."""
+    h = _b_loads_what_a_stored()
 
     def restart(meta: Any) -> None:
         assert jobs(meta, JobKind.LOAD)
@@ -614,14 +621,7 @@ def test_get_finished_alone_keeps_no_failure_record() -> None:
     and never ``get_transfer_results`` left each failed load's request id in the worker
     for good: 2,000 failed loads, 2,000 entries. Mutant: get_finished not handing out the
     failures it collected."""
-    h = _one_group()
-    a = h.new_request("A", list(range(33)))
-    h.admit(a)
-    h.step({"A": 32})
-    h.step({"A": 1})
-    h.finish(a)
-    b = h.new_request("B", list(range(33)))
-    assert h.admit(b) == 32
+    h = _b_loads_what_a_stored()
     seen: list[tuple[set[str], set[str]]] = []
     kept: list[set[str]] = []
 
