@@ -39,6 +39,7 @@ from kvcore.sim._workload import speculative_off
 from kvcore.spec.errors import BadReportError
 from kvcore.spec.types import (
     MAX_GPU_BLOCKS,
+    PENDING,
     GroupKind,
     OffloadConfig,
     Status,
@@ -223,6 +224,29 @@ def lookup_with_store_in_flight(factory: Factory, config: OffloadConfig) -> None
     # as the reference's does (R1), before the lookup is told to wait.
     sched.build_step(StepInput(preempted=("a",)))
     sched.lookup("a", done, 4 * unit_tokens(cfg))
+
+
+def lookup_of_a_prefix_being_written(factory: Factory, config: OffloadConfig) -> None:
+    """L2: a request looks up a prompt whose every key another request is still storing.
+
+    Every block the lookup reads is PENDING and nothing else, the commonest case in an
+    engine (two requests with one prompt, the first's prefill store in flight): the
+    answer is PENDING, never a hit on keys not yet written. Crafted lookups mix PENDING
+    with other statuses in most blocks they read; this one does not.
+    """
+    cfg = small(config, cpu=1 << 16)
+    n = 4 * unit_tokens(cfg)
+    hashes = _hashes(n // cfg.hash_block_tokens, salt=7)
+    for computed in (0, unit_tokens(cfg)):
+        manager = CPUOffloadManager.for_config(cfg, check=True)
+        for group in range(len(cfg.groups)):
+            manager.prepare_store(group_keys(cfg, group, hashes))
+        sched = factory(cfg, manager, check=True)
+        sched.add_request(RequestInfo("b", n, hashes))
+        got = sched.lookup("b", computed, n)
+        assert_true(got is PENDING,
+                    f"a lookup of {n} tokens ({computed} computed) whose every key is "
+                    f"being written answered {got!r}, not PENDING", "L2")
 
 
 def reset_with_a_finished_request_storing(factory: Factory, config: OffloadConfig) -> None:
@@ -875,6 +899,7 @@ def short_tier_answers(factory: Factory, config: OffloadConfig) -> None:
 
 SCENARIOS: tuple[Callable[[Factory, OffloadConfig], None], ...] = (
     lookup_with_store_in_flight,
+    lookup_of_a_prefix_being_written,
     reset_with_a_finished_request_storing,
     edge_lookups,
     store_during_load,

@@ -657,6 +657,31 @@ def test_a_lookup_beside_an_unrelated_load_is_served(monkeypatch: pytest.MonkeyP
         _scenarios.lookup_beside_another_load(OffloadScheduler, preset(DEFAULT))
 
 
+@pytest.mark.parametrize("name", ["deepseek-v4-mtp", "gemma3"])
+def test_a_prompt_being_written_is_pending(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Held-out seed 68's m04: the reader's saw-PENDING flag inverted for a block that
+    holds one status (``got[0] is not PENDING``). A lookup whose every read block is
+    wholly PENDING then serves keys not yet written; the crafted lookups mix statuses in
+    most blocks and missed it. ``lookup_of_a_prefix_being_written`` reads only such
+    blocks, and the lookup's own check names it (L2)."""
+    from kvcore import _scenarios
+    from kvcore.scheduler import _lookup
+
+    real = _lookup.StatusReader._fetch
+
+    def inverted(self: Any, group: int, idx: int) -> None:
+        before = self.pending
+        real(self, group, idx)
+        if not before:
+            lo = idx - idx % self.blocks[group]
+            got = self.known[group][lo:lo + self.blocks[group]]
+            self.pending = (Status.PENDING in got if _lookup.mixed(got)
+                            else got[0] is not Status.PENDING)
+    monkeypatch.setattr(_lookup.StatusReader, "_fetch", inverted)
+    with pytest.raises(InvariantViolation, match="L2"):
+        _scenarios.lookup_of_a_prefix_being_written(OffloadScheduler, preset(name))
+
+
 def test_the_key_path_of_a_tier_of_your_own_meets_the_lock_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: with a tier that has only the base interface (no hash batches), a lookup's
