@@ -5,7 +5,8 @@ groups first, then windows largest first; a group is re-verified when another gr
 shrinks the boundary below the one it was verified at; each verification of a draft
 group requires exactly one extra chunk), and ``OffloadScheduler._lookup_hit`` (which runs
 the loop with PENDING read as HIT and, if a PENDING was seen, as MISS, and answers
-PENDING when they differ). They are compared with the brute-force reference hit of
+PENDING when they differ, or when another request is loading a chunk the hit would
+read). They are compared with the brute-force reference hit of
 ``kvcore.spec.lookup`` (``hit_for``, ``spec_hit``) and with the predicates
 ``e3_one_pop_per_cycle``, ``e4_draft_extra_chunk_hit`` and ``l2_pending_exactly_when_uncertain``.
 
@@ -29,6 +30,7 @@ from kvcore.spec.invariants import (
     LookupTraceRecord,
     e3_one_pop_per_cycle,
     e4_draft_extra_chunk_hit,
+    l1_hit_matches_spec,
     l2_pending_exactly_when_uncertain,
 )
 from kvcore.spec.lookup import hit_for
@@ -219,6 +221,101 @@ def mutant_pending_as_miss(layout: int, num_tokens: int, bits: list[bool],
         return _pending(layout, num_tokens, bits, pending)
 
 
+# -- PENDING: a load in flight ---------------------------------------------------------------
+
+
+class _LoadingKeys:
+    """The scheduler's loading set: key ``(group, chunk)`` is being loaded by another
+    request iff its bit is set, read only when asked. Never empty to ``bool``: the
+    scheduler's "nothing loading" shortcut must not decide for it."""
+
+    def __init__(self, bits: list[bool]) -> None:
+        self._bits = bits
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __contains__(self, key: object) -> bool:
+        group, idx = key  # type: ignore[misc]
+        return self._bits[group * PER_GROUP + idx]
+
+
+class _LoadingChunks:
+    """The spec's view of the same set for one group: chunk indexes, the same bits."""
+
+    def __init__(self, bits: list[bool], group: int) -> None:
+        self._bits, self._group = bits, group
+
+    def __contains__(self, idx: object) -> bool:
+        return self._bits[self._group * PER_GROUP + idx]  # type: ignore[operator]
+
+
+# Up to this many tokens the hit map is free too; above it (to N_MAX) every key is READY:
+# both free at N = 5 cost about 530 CPU-s, at N <= 3 about 23.
+LOADING_FREE_HITS_N = 3
+
+
+def _being_loaded(layout: int, num_tokens: int, computed: int, bits: list[bool],
+                  loading: list[bool]) -> bool:
+    cfg = LAYOUTS[pick(layout, len(LAYOUTS))]
+    n = pick(num_tokens, N_MAX + 1)
+    c = pick(computed, C_MAX + 1)
+    maps = hit_maps(cfg, n, bits if n <= LOADING_FREE_HITS_N else [True] * 16, PER_GROUP)
+    keys = [[(g, i) for i in range(len(maps[g]))] for g in range(len(cfg.groups))]
+    fake = SimpleNamespace(config=cfg, manager=_Manager(maps), _read_blocks=read_blocks(cfg),
+                           _by_hash=False, _jobs=SimpleNamespace(loading=_LoadingKeys(loading)))
+    fake._being_loaded = lambda req, c, hit: OffloadScheduler._being_loaded(
+        fake, req, c, hit)  # type: ignore[arg-type]
+    fake._pessimistic_floor = lambda boundary, c: OffloadScheduler._pessimistic_floor(
+        fake, boundary, c)  # type: ignore[arg-type]
+    result, _conv, _statuses = OffloadScheduler._lookup_hit(
+        fake, SimpleNamespace(keys=keys), c, n)  # type: ignore[arg-type]
+    spec_loading = tuple(_LoadingChunks(loading, g) for g in range(len(cfg.groups)))
+    record = LookupRecord(cfg, c, n, maps, spec_loading, result)  # type: ignore[arg-type]
+    return not l1_hit_matches_spec(record) and not l2_pending_exactly_when_uncertain(record)
+
+
+def loading_matches_spec(layout: int, num_tokens: int, computed: int, bits: list[bool],
+                         loading: list[bool]) -> bool:
+    """The being-loaded half of L2 (and L1 beside it): the scheduler's answer equals
+    spec_hit's while another request loads any set of chunks (any chunk of any group), on
+    the 10 layouts with C <= 1: every request of N <= 3 tokens with every HIT/MISS map,
+    and of N = 4..5 with every key READY (the hit is then the largest supported boundary);
+    no PENDING key, no max_tokens.
+
+    pre: 0 <= layout < 10
+    pre: 0 <= num_tokens <= 5
+    pre: 0 <= computed <= 1
+    pre: len(bits) == 16
+    pre: len(loading) == 16
+    post: __return__
+    """
+    return _being_loaded(layout, num_tokens, computed, bits, loading)
+
+
+LOADING_DRAFT_EXTRA = mutant("kvcore.scheduler.scheduler:OffloadScheduler._being_loaded",
+                             "rng = served_chunks(g, computed + hit, computed)",
+                             "rng = needed_chunks(g, computed + hit, computed)",
+                             "a draft group's volatile extra chunk, which a load never "
+                             "reads, makes the reader wait when another request loads it")
+
+
+def mutant_loading_draft_extra(layout: int, num_tokens: int, computed: int,
+                               bits: list[bool], loading: list[bool]) -> bool:
+    """loading_matches_spec with the wait judged on the needed chunks (the draft extra
+    chunk included) instead of the served ones.
+
+    pre: 0 <= layout < 10
+    pre: 0 <= num_tokens <= 5
+    pre: 0 <= computed <= 1
+    pre: len(bits) == 16
+    pre: len(loading) == 16
+    post: __return__
+    """
+    with LOADING_DRAFT_EXTRA.applied():
+        return _being_loaded(layout, num_tokens, computed, bits, loading)
+
+
 OBLIGATIONS = (
     Obligation("converge_matches_spec", CONFIRMED, 300, 20, 58.5),
     Obligation("mutant_windows_not_reverified", REFUTED, 200, 20, 37.3, "converge_matches_spec"),
@@ -226,4 +323,6 @@ OBLIGATIONS = (
     Obligation("mutant_limit_ignores_windows", REFUTED, 60, 20, 12.0, "converge_matches_spec"),
     Obligation("pending_matches_spec", CONFIRMED, 150, 20, 27.8),
     Obligation("mutant_pending_as_miss", REFUTED, 30, 20, 1.8, "pending_matches_spec"),
+    Obligation("loading_matches_spec", CONFIRMED, 150, 20, 27.5),
+    Obligation("mutant_loading_draft_extra", REFUTED, 30, 20, 1.1, "loading_matches_spec"),
 )
