@@ -182,8 +182,12 @@ class Simulator:
         overrides: dict[str, Any] = {"num_workers": opts.num_workers}
         if opts.prompt_only:
             overrides["prompt_only"] = True
-        if opts.max_offload_tokens is not None and config.max_offload_tokens is None:
-            overrides["max_offload_tokens"] = opts.max_offload_tokens
+        if opts.max_offload_tokens is not None:
+            # The tighter of the two caps: a layout's own cap stays when it is smaller (the
+            # option used to be dropped whenever the layout had one).
+            mine = config.max_offload_tokens
+            overrides["max_offload_tokens"] = (opts.max_offload_tokens if mine is None
+                                               else min(mine, opts.max_offload_tokens))
         if opts.num_gpu_blocks is not None:
             overrides["num_gpu_blocks"] = opts.num_gpu_blocks
         if opts.num_cpu_blocks is not None:

@@ -71,3 +71,16 @@ def test_lockstep_without_a_policy_runs_on_every_seed() -> None:
         opts = SimOptions(**{**SMALL, "policy": None, "seed": seed}, lockstep=True)
         assert opts.drawn().policy == "lru"
     simulate(preset("gemma3"), SimOptions(**{**SMALL, "policy": None}, lockstep=True))
+
+
+@pytest.mark.parametrize(("layout_cap", "option_cap", "applied"), [
+    (None, 256, 256), (4096, 256, 256), (256, 4096, 256), (4096, None, 4096)])
+def test_the_tighter_store_cap_applies(layout_cap: int | None, option_cap: int | None,
+                                       applied: int) -> None:
+    """``max_offload_tokens`` was dropped whenever the layout had a cap of its own, so a
+    run asked to cap stores at 256 tokens stored up to the layout's 4096."""
+    from kvcore.sim._engine import Simulator
+
+    sim = Simulator(preset("gemma3", max_offload_tokens=layout_cap),
+                    SimOptions(**SMALL, max_offload_tokens=option_cap))
+    assert sim.config.max_offload_tokens == applied
