@@ -209,6 +209,53 @@ def test_config_errors_say_what_to_set(extra: dict[str, Any], spec: str | None,
     assert field in err.value.field
 
 
+def _uneven_group() -> list[KVCacheGroupSpec]:
+    """One group of full-attention layers with 1 and 3 KV heads: vLLM wraps them in a
+    ``UniformTypeKVCacheSpecs`` for the workers and hands the scheduler the first only."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    def heads(n: int) -> FullAttentionSpec:
+        return FullAttentionSpec(block_size=BLOCK, num_kv_heads=n, head_size=HEAD,
+                                 dtype=torch.float32)
+    uniform = UniformTypeKVCacheSpecs(block_size=BLOCK,
+                                      kv_cache_specs={"l0": heads(1), "l1": heads(3)})
+    return [KVCacheGroupSpec(["l0", "l1"], uniform)]
+
+
+def test_scheduler_and_workers_agree_on_the_slot_count() -> None:
+    """A review found the scheduler (vLLM's one-layer view of the group) translating 32
+    slots from cpu_bytes where the worker (both layers) translated 16: every store to
+    slots 16..31 failed on the worker, for good. Such a group, and pipeline parallelism
+    (stages hold different layers), now need num_cpu_blocks, the same on every rank."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    worker_cfg = kv_cache_config(64, _uneven_group())
+    scheduler_cfg = generate_scheduler_kv_cache_config([worker_cfg])
+    budget = {"cpu_bytes": 1 << 16}
+    with pytest.raises(ConfigError, match="set num_cpu_blocks") as err:
+        translate(vllm_config(budget), worker_cfg)
+    assert err.value.field == "kv_connector_extra_config.num_cpu_blocks"
+    slots = {"num_cpu_blocks": 24}
+    sides = [translate(vllm_config(slots), c) for c in (scheduler_cfg, worker_cfg)]
+    assert [o.config.num_cpu_blocks for o in sides] == [24, 24]
+    staged = vllm_config(budget)
+    object.__setattr__(staged.parallel_config, "pipeline_parallel_size", 2)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2"):
+        translate(staged, kv_cache_config(64, [KVCacheGroupSpec(["f"], attention())]))
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"cpu_bytes": 1 << 16, "num_cpu_blocks": 8}, "both set"),
+    ({"num_cpu_blocks": 0}, "positive int"),
+    ({"num_cpu_blocks": "8"}, "positive int"),
+    ({"num_cpu_blocks": 1 << 40}, "over the limit"),
+])
+def test_a_bad_slot_count_names_num_cpu_blocks(extra: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as err:
+        _translate([KVCacheGroupSpec(["f"], attention())], extra)
+    assert err.value.field == "kv_connector_extra_config.num_cpu_blocks"
+
+
 def test_draft_kv_elsewhere_and_explicit_draft_group() -> None:
     groups = [KVCacheGroupSpec(["f"], attention()), KVCacheGroupSpec(["d"], attention())]
     elsewhere = _translate(groups, {"cpu_bytes": 1 << 20, "draft_kv_elsewhere": True}, "mtp")

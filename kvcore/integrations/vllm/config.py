@@ -9,7 +9,8 @@ CPU capacity: ``cpu_bytes`` is this worker rank's pinned-memory budget. ``num_cp
 is slots per group: the transfer engine gives every group's tensors ``num_cpu_blocks``
 chunk rows and the manager has one pool of that many slots per group, so
 ``num_cpu_blocks = cpu_bytes // (sum over groups of the bytes one chunk of that group
-takes on this rank)``.
+takes on this rank)``, or given directly (``num_cpu_blocks``), as it must be where the
+processes would compute different counts (``_slots``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from kvcore.spec.types import (
 )
 
 POLICIES = ("lru", "arc")
-KNOWN_KEYS = frozenset({"cpu_bytes", "eviction_policy", "check", "blocks_per_chunk",
-                        "draft_kv_elsewhere", "draft_groups", "offload_prompt_only"})
+KNOWN_KEYS = frozenset({"cpu_bytes", "num_cpu_blocks", "eviction_policy", "check",
+                        "blocks_per_chunk", "draft_kv_elsewhere", "draft_groups",
+                        "offload_prompt_only"})
 
 
 @dataclass(frozen=True)
@@ -97,11 +99,71 @@ def _kind_of(index: int, spec: Any) -> tuple[GroupKind, int | None, int]:
 
 
 def _bytes_per_block(group: Any) -> int:
-    """One block of the group on this rank (scheduler and worker configs agree)."""
+    """One block of the group on this rank."""
     spec = group.kv_cache_spec
     if isinstance(spec, v.UniformTypeKVCacheSpecs):
         return int(spec.page_size_bytes)
     return int(spec.page_size_bytes) * len(group.layer_names)
+
+
+def _uneven_pages(group: Any) -> bool:
+    """Whether the group's layers have different page sizes. vLLM hands its scheduler
+    only the first layer's spec of such a group (``generate_scheduler_kv_cache_config``),
+    so the scheduler's bytes per block (first page x layers) differ from a worker's."""
+    spec = group.kv_cache_spec
+    if not isinstance(spec, v.UniformTypeKVCacheSpecs):
+        return False
+    return len({int(s.page_size_bytes) for s in v.layer_specs(spec)}) > 1
+
+
+def _slots(extra: Mapping[str, Any], vllm_config: Any, kv_cache_config: Any,
+           offloaded: tuple[int, ...], chunk_bytes: list[int]) -> int:
+    """``num_cpu_blocks``: given, or ``cpu_bytes`` over this rank's bytes per slot.
+
+    The scheduler hands out slot numbers and every worker must have every slot, so the
+    count must come out the same in every process. From ``cpu_bytes`` it does only where
+    every process sees the same bytes per slot: not under pipeline parallelism (a stage
+    holds its own layers, and vLLM splits them unevenly), and not for a group whose
+    layers differ in page size (see ``_uneven_pages``). There the count must be given.
+    """
+    if "num_cpu_blocks" in extra:
+        if "cpu_bytes" in extra:
+            raise ConfigError("kv_connector_extra_config.num_cpu_blocks",
+                              "cpu_bytes and num_cpu_blocks are both set; set one: "
+                              "num_cpu_blocks (slots per group, the same on every rank) or "
+                              "cpu_bytes (this rank's pinned budget)")
+        slots = _positive_int(extra, "num_cpu_blocks", None)
+        if slots > MAX_CPU_BLOCKS:
+            raise ConfigError("kv_connector_extra_config.num_cpu_blocks",
+                              f"num_cpu_blocks={slots} is over the limit of {MAX_CPU_BLOCKS} "
+                              "slots per group")
+        return slots
+    per_slot = sum(chunk_bytes)
+    stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1))
+    uneven = [g for g in offloaded if _uneven_pages(kv_cache_config.kv_cache_groups[g])]
+    if stages > 1 or uneven:
+        why = (f"with pipeline parallelism (pipeline_parallel_size={stages}) each stage "
+               "holds its own layers" if stages > 1 else
+               f"the layers of KV-cache group {uneven[0]} differ in page size and vLLM's "
+               "scheduler sees only the first one's")
+        raise ConfigError("kv_connector_extra_config.num_cpu_blocks",
+                          f"{why}, so cpu_bytes would give the scheduler and the ranks "
+                          "different slot counts (stores to slots a rank lacks fail for "
+                          "good); set num_cpu_blocks instead of cpu_bytes: slots per group, "
+                          f"the same on every rank (each slot takes {per_slot} bytes of "
+                          "pinned memory on this rank)")
+    cpu_bytes = _positive_int(extra, "cpu_bytes", None)
+    num_cpu_blocks = cpu_bytes // per_slot
+    if num_cpu_blocks < 1:
+        raise ConfigError("kv_connector_extra_config.cpu_bytes",
+                          f"cpu_bytes={cpu_bytes} holds no chunk: one chunk of every group "
+                          f"takes {per_slot} bytes on this rank; set at least that")
+    if num_cpu_blocks > MAX_CPU_BLOCKS:  # the config would blame num_cpu_blocks, unset here
+        raise ConfigError("kv_connector_extra_config.cpu_bytes",
+                          f"cpu_bytes={cpu_bytes} makes {num_cpu_blocks} chunk slots per group, "
+                          f"over the limit of {MAX_CPU_BLOCKS}; is it a byte count of this "
+                          "rank's budget (not the whole host's, not bits)?")
+    return num_cpu_blocks
 
 
 def _draft_groups(vllm_config: Any, kv_cache_config: Any, offloaded: tuple[int, ...],
@@ -193,17 +255,7 @@ def translate(vllm_config: Any, kv_cache_config: Any) -> ConnectorOptions:
                           "(no layers, or layers of size 0), so its chunks cannot be copied; "
                           "under pipeline parallelism a rank may hold none of a group's "
                           "layers, which kvcore's connector does not support yet")
-    cpu_bytes = _positive_int(extra, "cpu_bytes", None)
-    num_cpu_blocks = cpu_bytes // sum(chunk_bytes)
-    if num_cpu_blocks < 1:
-        raise ConfigError("kv_connector_extra_config.cpu_bytes",
-                          f"cpu_bytes={cpu_bytes} holds no chunk: one chunk of every group "
-                          f"takes {sum(chunk_bytes)} bytes on this rank; set at least that")
-    if num_cpu_blocks > MAX_CPU_BLOCKS:  # the config would blame num_cpu_blocks, unset here
-        raise ConfigError("kv_connector_extra_config.cpu_bytes",
-                          f"cpu_bytes={cpu_bytes} makes {num_cpu_blocks} chunk slots per group, "
-                          f"over the limit of {MAX_CPU_BLOCKS}; is it a byte count of this "
-                          "rank's budget (not the whole host's, not bits)?")
+    num_cpu_blocks = _slots(extra, vllm_config, kv_cache_config, offloaded, chunk_bytes)
     config = OffloadConfig(tuple(groups), hash_block_tokens=int(hash_tokens),
                            num_gpu_blocks=int(kv_cache_config.num_blocks),
                            num_cpu_blocks=num_cpu_blocks,
