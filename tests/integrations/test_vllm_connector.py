@@ -92,6 +92,11 @@ def test_scenario_prefill_mtp_hit_preempt_fail_reset() -> None:
     events = list(h.sched.take_events())
     assert len(events) == 5 and {e.medium for e in events} == {"CPU"}
     assert {e.group_idx for e in events} == {0, 1}
+    # In the form vLLM's own events give the same blocks (an int of the hash's last 8
+    # bytes by default), so a router can match them; the raw bytes matched nothing.
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    published = {(e.group_idx, e.block_hashes[0]) for e in events}
+    assert (0, maybe_convert_block_hash(a.request.block_hashes[0])) in published
     # Rest of the prompt: the draft group's block 2 is final now and is stored (no hole).
     h.step({"A": 14})
     assert stored_positions(h.last_meta) == [[3, 4, 5], [2, 3, 4]]

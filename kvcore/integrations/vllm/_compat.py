@@ -45,6 +45,9 @@ MambaSpec: Any = _iface.MambaSpec
 UniformTypeKVCacheSpecs: Any = _iface.UniformTypeKVCacheSpecs
 resolve_kv_cache_block_sizes: Any = _utils.resolve_kv_cache_block_sizes
 resolve_dcp_kv_block_size: Any = _utils.resolve_dcp_kv_block_size
+# The events' hash form (an int of the hash's last 8 bytes by default, as vLLM's own block
+# pool and OffloadingConnector publish it; the bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+maybe_convert_block_hash: Any = _utils.maybe_convert_block_hash
 
 
 def layer_specs(spec: Any) -> list[Any]:

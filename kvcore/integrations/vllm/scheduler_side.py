@@ -237,7 +237,9 @@ class SchedulerSide:
 
     def take_events(self, group_ids: tuple[int, ...]) -> Iterable[Any]:
         for event in self.scheduler.take_events():
-            block_hash = key_hash(Key(event.key))
+            # In vLLM's published form, so that a router matches these CPU-tier blocks
+            # with the GPU blocks vLLM's own events announce for the same prefix.
+            block_hash = v.maybe_convert_block_hash(key_hash(Key(event.key)))
             if event.removed:
                 yield v.BlockRemoved(block_hashes=[block_hash], medium=MEDIUM,
                                      group_idx=group_ids[event.group])
