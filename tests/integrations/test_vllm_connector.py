@@ -261,6 +261,35 @@ def test_a_bad_slot_count_names_num_cpu_blocks(extra: dict[str, Any], match: str
     assert err.value.field == "kv_connector_extra_config.num_cpu_blocks"
 
 
+@pytest.mark.parametrize("method", ["draft_model", "dflash"])
+def test_a_separate_draft_model_is_offloaded_as_ordinary_groups(method: str) -> None:
+    """vLLM marks a separate draft model's layers ``is_draft``, but its KV depends on the
+    prefix alone (no EAGLE-style block drop). The connector refused to start, telling
+    the user to remove options they never set; it now offloads the groups as ordinary
+    ones, and refuses only draft options the user did set."""
+    from dataclasses import replace
+
+    groups = [KVCacheGroupSpec(["t0", "t1"], attention()),
+              KVCacheGroupSpec(["d0"], replace(attention(), is_draft=True))]
+    opts = _translate(groups, {"cpu_bytes": 1 << 20}, method)
+    assert not opts.config.speculative
+    assert [g.is_draft for g in opts.config.groups] == [False, False]
+    for extra, field in (({"draft_groups": [1]}, "draft_groups"),
+                         ({"draft_kv_elsewhere": True}, "draft_kv_elsewhere")):
+        with pytest.raises(ConfigError, match=repr(method)) as err:
+            _translate(groups, {"cpu_bytes": 1 << 20, **extra}, method)
+        assert err.value.field == f"kv_connector_extra_config.{field}"
+
+
+def test_draft_groups_and_draft_kv_elsewhere_together_are_refused() -> None:
+    """Both set was accepted and draft_kv_elsewhere silently dropped."""
+    groups = [KVCacheGroupSpec(["f"], attention()), KVCacheGroupSpec(["d"], attention())]
+    with pytest.raises(ConfigError, match="set one of them") as err:
+        _translate(groups, {"cpu_bytes": 1 << 20, "draft_kv_elsewhere": True,
+                            "draft_groups": [1]}, "mtp")
+    assert err.value.field == "kv_connector_extra_config.draft_kv_elsewhere"
+
+
 def test_draft_kv_elsewhere_and_explicit_draft_group() -> None:
     groups = [KVCacheGroupSpec(["f"], attention()), KVCacheGroupSpec(["d"], attention())]
     elsewhere = _translate(groups, {"cpu_bytes": 1 << 20, "draft_kv_elsewhere": True}, "mtp")

@@ -172,6 +172,11 @@ def _draft_groups(vllm_config: Any, kv_cache_config: Any, offloaded: tuple[int, 
     spec_cfg = vllm_config.speculative_config
     volatile = spec_cfg is not None and bool(spec_cfg.use_eagle_block_drop())
     elsewhere = _flag(extra, "draft_kv_elsewhere", False)
+    if elsewhere and extra.get("draft_groups"):
+        raise ConfigError("kv_connector_extra_config.draft_kv_elsewhere",
+                          "draft_kv_elsewhere=true says the drafter's KV is in no offloaded "
+                          f"group, but draft_groups={extra['draft_groups']!r} names one; "
+                          "set one of them")
     if "draft_groups" in extra:
         given = extra["draft_groups"]
         if not isinstance(given, list) or not all(
@@ -187,10 +192,16 @@ def _draft_groups(vllm_config: Any, kv_cache_config: Any, offloaded: tuple[int, 
             or any(s.is_draft for s in v.layer_specs(
                 kv_cache_config.kv_cache_groups[gid].kv_cache_spec)))
     if not volatile:
-        if drafts or elsewhere:
-            raise ConfigError("kv_connector_extra_config.draft_groups",
-                              "a draft group or draft_kv_elsewhere is set but vLLM runs no "
-                              "EAGLE/MTP drafter whose KV depends on the next token; remove it")
+        # vLLM marks a separate draft model's layers as draft too (draft_model, dflash),
+        # but their KV depends on the prefix alone, so they are offloaded as ordinary
+        # groups. Only what the user set contradicts the engine.
+        if (drafts and "draft_groups" in extra) or elsewhere:
+            key = "draft_kv_elsewhere" if elsewhere else "draft_groups"
+            method = None if spec_cfg is None else getattr(spec_cfg, "method", None)
+            raise ConfigError(f"kv_connector_extra_config.{key}",
+                              f"{key} is set but vLLM runs no EAGLE/MTP drafter whose KV "
+                              "depends on the next token (speculative method "
+                              f"{method!r}); remove {key}")
         return False, frozenset(), False
     if not drafts and not elsewhere:
         raise ConfigError("kv_connector_extra_config.draft_groups",
