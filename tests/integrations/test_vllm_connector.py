@@ -194,6 +194,17 @@ def test_config_window_and_mamba_groups() -> None:
     assert opts.config.num_cpu_blocks == (1 << 20) // sum(opts.chunk_bytes)
 
 
+def test_mamba_without_prefix_caching_names_the_group() -> None:
+    """With prefix caching off vLLM's Mamba block is the whole model length and its mode
+    'none': the error blamed hash_block_tokens, a kvcore field no vLLM user sets."""
+    mamba = MambaSpec(block_size=64, shapes=((2, 4),), dtypes=(torch.float32,),
+                      mamba_cache_mode="none")
+    with pytest.raises(ConfigError, match="--enable-prefix-caching") as err:
+        _translate([KVCacheGroupSpec(["f"], attention()), KVCacheGroupSpec(["m"], mamba)],
+                   {"cpu_bytes": 1 << 20})
+    assert err.value.field == "kv_cache_groups[1]"
+
+
 @pytest.mark.parametrize(("extra", "spec", "field"), [
     ({}, None, "cpu_bytes"),
     ({"cpu_bytes": 10}, None, "cpu_bytes"),

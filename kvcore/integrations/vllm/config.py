@@ -87,6 +87,15 @@ def _kind_of(index: int, spec: Any) -> tuple[GroupKind, int | None, int]:
     if isinstance(spec, v.SlidingWindowSpec):
         return GroupKind.SLIDING, int(spec.sliding_window), int(spec.extra_retained_tokens)
     if isinstance(spec, v.MambaSpec):
+        mode = getattr(spec, "mamba_cache_mode", "align")
+        if mode != "align":
+            # Without prefix caching vLLM keeps one state per request (its block is the
+            # whole model length), not one per block: there is nothing per chunk to
+            # offload, and the hash size it implies would be blamed on kvcore's own fields.
+            raise ConfigError(f"kv_cache_groups[{index}]",
+                              f"MambaSpec with mamba_cache_mode={mode!r} caches no state per "
+                              "block; enable prefix caching (--enable-prefix-caching), which "
+                              "makes it 'align'")
         return GroupKind.MAMBA, None, 0
     if type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") and isinstance(
             spec, v.FullAttentionSpec) and spec.attention_chunk_size is None:
