@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import KVCacheGroupSpec, MambaSpec, SlidingWindo
 
 from kvcore.integrations.vllm import KvcoreWorkerMetadata
 from kvcore.integrations.vllm.config import translate
-from kvcore.spec.errors import ConfigError
+from kvcore.spec.errors import ArgumentRangeError, ConfigError
 from kvcore.spec.hooks import WorkerReport
 from kvcore.spec.plans import JobKind
 from kvcore.spec.types import GroupKind
@@ -661,7 +661,7 @@ def test_worker_metadata_and_stats_refuse_what_they_cannot_fold() -> None:
     from kvcore.integrations.vllm.metadata import KvcoreWorkerMetadata
     from kvcore.integrations.vllm.metrics import KvcorePromMetrics
     from kvcore.integrations.vllm.scheduler_side import KvcoreConnectorStats
-    from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError
+    from kvcore.spec.errors import ArgumentTypeError
     listed = KvcoreWorkerMetadata([WorkerReport(0, 5)])  # type: ignore[arg-type]
     assert listed.aggregate(KvcoreWorkerMetadata((WorkerReport(0, 6),))).reports == (
         WorkerReport(0, 5), WorkerReport(0, 6))
@@ -728,3 +728,29 @@ def test_get_finished_alone_keeps_no_failure_record() -> None:
     h.after_drain = None
     assert seen == [(set(), {"B"})]
     assert kept == [set()]
+
+
+def test_an_id_reused_while_the_old_request_stores_runs_without_offloading() -> None:
+    """vLLM takes a request id again once the old request has left its scheduler, but
+    kvcore keeps a finished request until its stores settle: the arrival raised
+    BadStepError("already tracked"), which vLLM does not catch, so the engine died. The
+    new request now runs without offloading (hit 0, nothing stored), its blocks still
+    reach the fence, and an arrival after the stores settle is tracked again."""
+    h = _one_group()
+    a = h.new_request("A", list(range(33)))
+    h.admit(a)
+    held = h.step({"A": 32}, deliver=False)  # A's store in flight, reports not delivered
+    h.finish(a)
+    del h.live["A"]
+    again = h.new_request("A", list(range(33)))  # the same prompt: a hit if it were served
+    assert h.admit(again) == 0
+    stepped = h.step({"A": 33})
+    assert not jobs(h.last_meta, JobKind.STORE)
+    assert stepped is not None
+    with pytest.raises(ArgumentRangeError, match="num_external_tokens"):
+        h.sched.update_state_after_alloc(again.request, h.blocks(again), 4)
+    h.finish(again)
+    del h.live["A"]
+    h.sched.update_connector_output(held)  # the old stores settle
+    third = h.new_request("A", list(range(33)))
+    assert h.admit(third) == 32  # tracked again: served from what the first one stored

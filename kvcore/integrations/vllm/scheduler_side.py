@@ -21,7 +21,12 @@ from kvcore.integrations.vllm.metrics import check_counts
 from kvcore.manager import CPUOffloadManager
 from kvcore.scheduler import OffloadScheduler
 from kvcore.scheduler._validate import check_allocated
-from kvcore.spec.errors import ArgumentTypeError, BadStepError, UnknownRequestError
+from kvcore.spec.errors import (
+    ArgumentRangeError,
+    ArgumentTypeError,
+    BadStepError,
+    UnknownRequestError,
+)
 from kvcore.spec.hooks import OutputResult, RequestInfo, ScheduledRequest, StepInput
 from kvcore.spec.types import PENDING, Key, key_hash
 
@@ -68,6 +73,9 @@ class SchedulerSide:
         self._local_hit: dict[str, int] = {}
         self._allocated: set[int] = set()
         self._reset_flush: tuple[int, ...] = ()
+        # Live requests kvcore does not track: each arrived while an earlier request with
+        # its id had finished with stores still in flight (see on_new_request).
+        self._untracked: set[str] = set()
         self._reported_stats: dict[str, int] = {}
         self.last_output = OutputResult()
 
@@ -91,6 +99,15 @@ class SchedulerSide:
         # A cap the client sent is checked like every other count (RequestInfo names it);
         # an engine that serves untrusted clients validates it where it accepts requests.
         cap = (params or {}).get("max_offload_tokens")
+        if rid not in self._requests and (rid in self._untracked
+                                          or rid in self.scheduler.tracked_requests()):
+            # vLLM reuses an id once the old request has left its scheduler, but kvcore
+            # keeps a finished request until its stores settle. Refusing the arrival
+            # would end the engine (vLLM does not catch it): this request runs without
+            # offloading instead (no lookup hit, no stores), and the next one with the id
+            # after the stores settle is tracked again.
+            self._untracked.add(rid)
+            return
         self.scheduler.add_request(RequestInfo(rid, request.num_prompt_tokens, hashes, cap,
                                                bool(request.skip_reading_prefix_cache)))
         self._requests[rid] = request
@@ -108,9 +125,11 @@ class SchedulerSide:
                                    max_num_new_tokens: int | None = None
                                    ) -> tuple[int | None, bool]:
         rid = request.request_id
-        fresh = rid not in self._requests
+        fresh = rid not in self._requests and rid not in self._untracked
         if fresh:
             self.on_new_request(request)
+        if rid in self._untracked:
+            return 0, False
         try:
             self._sync_hashes(request)
             hit = self.scheduler.lookup(rid, num_computed_tokens, request.num_tokens,
@@ -130,7 +149,7 @@ class SchedulerSide:
         recorded only once the call is accepted: a refused call must not make the next
         step flush the jobs reading them."""
         rid = request.request_id
-        if rid not in self._requests:
+        if rid not in self._requests and rid not in self._untracked:
             raise UnknownRequestError(f"update_state_after_alloc: request {rid!r} was never "
                                       "looked up (get_num_new_matched_tokens)")
         per_group = getattr(blocks, "blocks", None)
@@ -149,6 +168,14 @@ class SchedulerSide:
         if new:
             check_allocated(self.options.config, frozenset(new),
                             where="update_state_after_alloc", name="blocks")
+        if rid in self._untracked:
+            if num_external_tokens != 0:
+                raise ArgumentRangeError(
+                    "update_state_after_alloc", "num_external_tokens", num_external_tokens,
+                    "0: the lookup of this request answered 0 (it runs without offloading)",
+                    "pass the number get_num_new_matched_tokens returned")
+            self._allocated.update(new)  # its blocks may be read by the old id's stores
+            return
         if num_external_tokens != 0:
             local = self._local_hit.get(rid, 0)
             valid = [local // g.tokens_per_block for g in self.options.config.groups]
@@ -174,6 +201,10 @@ class SchedulerSide:
                  for rid, ids, computed in zip(cached.req_ids, cached.new_block_ids,
                                                cached.num_computed_tokens, strict=True)]
         for rid, block_ids, computed, whole in rows:
+            if rid in self._untracked:
+                for group in block_ids or ():
+                    allocated.update(b for b in group if b)
+                continue
             if rid not in self._requests:
                 raise BadStepError(f"request {rid!r} was scheduled but the connector never "
                                    "saw it arrive (on_new_request)")
@@ -221,6 +252,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """GPU blocks are freed at once: stores still reading them are fenced."""
         rid = request.request_id
+        self._untracked.discard(rid)
         if rid in self._requests:
             self._forget(rid)
         return False, None
