@@ -754,3 +754,13 @@ def test_an_id_reused_while_the_old_request_stores_runs_without_offloading() -> 
     h.sched.update_connector_output(held)  # the old stores settle
     third = h.new_request("A", list(range(33)))
     assert h.admit(third) == 32  # tracked again: served from what the first one stored
+
+
+def test_hits_are_counted_as_host_memory_hits() -> None:
+    """vLLM's per-source prefix-cache-hit metric counted kvcore's CPU hits as
+    'external_unspecified'."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    h = _one_group()
+    a = h.new_request("A", list(range(9)))
+    assert h.sched.get_external_cache_hit_sources(a.request, 8) == {CacheHitSource.HOST: 8}

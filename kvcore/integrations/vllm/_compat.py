@@ -28,6 +28,7 @@ _metrics = _load("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 _events = _load("vllm.distributed.kv_events")
 _iface = _load("vllm.v1.kv_cache_interface")
 _utils = _load("vllm.v1.core.kv_cache_utils")
+_hit_source = _load("vllm.v1.metrics.cache_hit_source")
 
 KVConnectorBase_V1: Any = _base.KVConnectorBase_V1
 KVConnectorMetadata: Any = _base.KVConnectorMetadata
@@ -48,6 +49,7 @@ resolve_dcp_kv_block_size: Any = _utils.resolve_dcp_kv_block_size
 # The events' hash form (an int of the hash's last 8 bytes by default, as vLLM's own block
 # pool and OffloadingConnector publish it; the bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
 maybe_convert_block_hash: Any = _utils.maybe_convert_block_hash
+CacheHitSource: Any = _hit_source.CacheHitSource
 
 
 def layer_specs(spec: Any) -> list[Any]:

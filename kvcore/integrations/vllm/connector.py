@@ -37,6 +37,9 @@ def _meta(where: str, meta: Any) -> KvcoreConnectorMetadata:
 class KvcoreConnector(v.KVConnectorBase_V1, v.SupportsHMA):  # type: ignore[misc]
     """KV offloading to a CPU tier with kvcore's scheduler, manager and copy engine."""
 
+    # vLLM's per-source prefix-cache-hit metric: kvcore's hits come from host memory.
+    _cache_hit_source = v.CacheHitSource.HOST
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.options = translate(vllm_config, kv_cache_config)
