@@ -391,14 +391,31 @@ def python_c(code: str) -> str:
     return f"python -c {shlex.quote(code)}"
 
 
+MachineRun = tuple[type[Any], dict[str, Any]]
+
+
+def fuzz_machine(config: OffloadConfig, result: BatteryResult, device: str = "cpu"
+                 ) -> MachineRun:
+    """One state machine class (and the dict it traces into) for many ``run_machine``
+    rounds over ``result``: Hypothesis keeps every machine class it runs for good (its
+    per-class set-up state), so a class per round grew a fuzz run by about 50 KB a round,
+    gigabytes over hours of short rounds."""
+    trace: dict[str, Any] = {}
+    return make_machine(config, tally=result.checked, device=device, trace=trace), trace
+
+
 def run_machine(config: OffloadConfig, examples: int, steps: int, result: BatteryResult,
                 *, factory: Any = None, shrink: bool = True, database: Any = None,
-                device: str = "cpu", apply: Apply | None = None) -> None:
-    """The state machine over the simulator; ``apply`` (if given) wraps the whole run."""
-    trace: dict[str, Any] = {}
-    with (apply or _unmutated)() as mutated:
-        machine = make_machine(config, scheduler_factory=mutated or factory,
-                               tally=result.checked, device=device, trace=trace)
+                device: str = "cpu", apply: Apply | None = None,
+                built: MachineRun | None = None) -> None:
+    """The state machine over the simulator; ``apply`` (if given) wraps the whole run.
+    ``built`` is a class from ``fuzz_machine`` for ``result`` (then ``factory``, ``apply``
+    and ``device`` are its, not read here)."""
+    trace: dict[str, Any] = {} if built is None else built[1]
+    with (apply if built is None and apply else _unmutated)() as mutated:
+        machine = built[0] if built is not None else make_machine(
+            config, scheduler_factory=mutated or factory, tally=result.checked,
+            device=device, trace=trace)
         phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
         opts = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
                         derandomize=database is None, database=database, phases=phases,

@@ -5,7 +5,7 @@ Exit codes say what failed (as the VOPR separates them): 0 clean, 1 a correctnes
 run), 3 liveness (a run did not settle), 4 a crash inside kvcore (the traceback goes to a
 file whose path is printed), 5 inconclusive (a proof ran out of budget without a
 counterexample, or an invariant no stage evaluated; nothing else failed), 130 interrupted
-(Ctrl-C). The human table and ``--json`` render the same data.
+(Ctrl-C), 143 terminated (SIGTERM). The human table and ``--json`` render the same data.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import io
 import json
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ from kvcore.spec.types import MAX_CONTEXT_TOKENS, OffloadConfig
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_LIVENESS, EXIT_CRASH = 0, 1, 2, 3, 4
 EXIT_INCONCLUSIVE = 5
 EXIT_INTERRUPTED = 130  # the shell's code for a run stopped by SIGINT
+EXIT_TERMINATED = 143  # and by SIGTERM (what CI sends at its timeout)
 # What --help says of them: a CI job branches on the code, so it must not need the source.
 EXIT_CODES_HELP = """exit codes:
   0  clean
@@ -40,7 +42,8 @@ EXIT_CODES_HELP = """exit codes:
   4  a crash inside kvcore (the traceback goes to a file whose path is printed)
   5  inconclusive: a proof ran out of budget without a counterexample, or a check that
      never ran (an invariant no stage evaluated); nothing else failed
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C)
+  143  terminated (SIGTERM, as CI sends at its timeout)"""
 # Every parser's --help ends with the exit codes, laid out as written.
 _HELP: dict[str, Any] = {"epilog": EXIT_CODES_HELP,
                          "formatter_class": argparse.RawDescriptionHelpFormatter}
@@ -322,10 +325,14 @@ def _database(spec: str | None) -> Any:
     folder = Path(spec or _DEFAULT_DB)
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        # An existing folder may still refuse writes, and Hypothesis's directory database
+        # ignores a failed save: the run then said "saved" of a counterexample it lost.
+        with tempfile.TemporaryFile(dir=folder):
+            pass
     except OSError as exc:
-        raise ConfigError("--db", f"--db {folder}: cannot create the directory "
+        raise ConfigError("--db", f"--db {folder}: cannot write there "
                           f"({exc.strerror}); name a writable directory") from None
-    return DirectoryBasedExampleDatabase(str(folder))
+    return _guarded(DirectoryBasedExampleDatabase(str(folder)))
 
 
 def _redis_database(spec: str) -> Any:
@@ -341,12 +348,72 @@ def _redis_database(spec: str) -> Any:
     except (ValueError, redis.RedisError) as exc:
         raise ConfigError("--db", f"--db {spec}: Redis is unreachable ({exc}); start it, "
                           "fix the URL, or pass a directory") from None
-    return RedisExampleDatabase(client, key_prefix=b"kvcore-fuzz:")
+    return _guarded(RedisExampleDatabase(client, key_prefix=b"kvcore-fuzz:"))
+
+
+def _guarded_database_class() -> type[Any]:
+    from hypothesis.database import ExampleDatabase
+
+    class GuardedDatabase(ExampleDatabase):  # type: ignore[misc]
+        """The example database, whose own failures do not end the run.
+
+        A Redis restart or a network blip during hours of fuzzing was reported as a
+        crash inside kvcore (exit 4). The database is storage, not the code under test:
+        each failing call is counted, the first one said on stderr, and the run goes
+        on; the failure report then says the counterexample may not be saved.
+        """
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+            self.failures = 0
+
+        def _failed(self, call: str, exc: Exception) -> None:
+            self.failures += 1
+            if self.failures == 1:
+                print(f"kvcore fuzz: the example database failed ({call}: "
+                      f"{type(exc).__name__}: {str(exc)[:200]}); fuzzing goes on, but "
+                      "what it finds may not be saved", file=sys.stderr, flush=True)
+
+        def save(self, key: bytes, value: bytes) -> None:
+            try:
+                self.inner.save(key, value)
+            except Exception as exc:  # storage, not kvcore: counted and said once
+                self._failed("save", exc)
+
+        def fetch(self, key: bytes) -> list[bytes]:
+            try:
+                return list(self.inner.fetch(key))
+            except Exception as exc:  # as save
+                self._failed("fetch", exc)
+                return []
+
+        def delete(self, key: bytes, value: bytes) -> None:
+            try:
+                self.inner.delete(key, value)
+            except Exception as exc:  # as save
+                self._failed("delete", exc)
+
+        def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+            try:
+                self.inner.move(src, dest, value)
+            except Exception as exc:  # as save
+                self._failed("move", exc)
+
+    return GuardedDatabase
+
+
+def _guarded(inner: Any) -> Any:
+    """``inner`` behind ``GuardedDatabase`` (Hypothesis is imported only when fuzzing)."""
+    return _guarded_database_class()(inner)
 
 
 def _saved_note(db: Any) -> str:
     """Where the counterexample went; a Redis server that went away has not kept it."""
-    client = getattr(db, "redis", None)
+    if getattr(db, "failures", 0):
+        return (f"(the example database failed {db.failures} times in this run; the "
+                "counterexample may not be saved: keep the program above)")
+    client = getattr(getattr(db, "inner", db), "redis", None)
     if client is not None:
         try:
             client.ping()
@@ -365,6 +432,21 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
           f"{args.db or _DEFAULT_DB}", flush=True)
     start = time.monotonic()
     result = _check.BatteryResult()
+    built = _check.fuzz_machine(config, result, args.device)
+    progress = {"rounds": 0, "examples": 0}
+    try:
+        return _fuzz_rounds(args, config, db, built, result, start, progress)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the totals, then main's line and code
+        print(f"stopped after {time.monotonic() - start:.0f}s: {progress['rounds']} rounds, "
+              f"{progress['examples']} examples, {sum(result.checked.values())} invariant "
+              "checks, no counterexample reported", flush=True)
+        raise
+
+
+def _fuzz_rounds(args: argparse.Namespace, config: OffloadConfig, db: Any, built: Any,
+                 result: Any, start: float, progress: dict[str, int]) -> int:
+    from kvcore import _check
+    budget: float = args.duration
     rounds = done = 0
     per_example = 0.0
     while True:
@@ -376,9 +458,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         count = 1 if not rounds else min(args.examples, max(1, int(left / per_example)))
         began = time.monotonic()
         _check.run_machine(config, count, args.steps, result, database=db,
-                           device=args.device)
+                           device=args.device, built=built)
         per_example = max(per_example, (time.monotonic() - began) / count)
         rounds, done = rounds + 1, done + count
+        progress["rounds"], progress["examples"] = rounds, done
         total = sum(result.checked.values())
         print(f"[{time.monotonic() - start:6.0f}s] round {rounds}: "
               f"{done} examples, {total} invariant checks", flush=True)
@@ -605,18 +688,42 @@ class _Output(io.TextIOBase):
                 self.closed_by_reader = True
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into the interrupt path: a CI timeout killed the run silently
+    (exit 143 from the shell, no line saying why, no totals)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> NoReturn:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     # torch warns at first use that NumPy is absent; kvcore does not need NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Output(out), _Output(err)
+    previous = _install(signal.SIGTERM, _on_sigterm)
     try:
         return _main(argv)
+    except _Terminated:
+        print("kvcore: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("kvcore: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
+        _install(signal.SIGTERM, previous)
         sys.stdout, sys.stderr = out, err
+
+
+def _install(signum: int, handler: Any) -> Any:
+    """Set a handler where Python may (the main thread); elsewhere leave it (None)."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signum, handler)
+    except ValueError:  # not the main thread: the embedding program owns its signals
+        return None
 
 
 def _main(argv: list[str] | None) -> int:

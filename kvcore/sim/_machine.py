@@ -10,6 +10,7 @@ run must settle). A failure prints as a program of rule calls that replays it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 from dataclasses import asdict, replace
 from typing import Any
@@ -170,4 +171,10 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
                 self.sim.reset()
 
     SimMachine.__name__ = f"SimMachine_{(config.name or 'custom').replace('-', '_')}"
+    # Hypothesis keys its example database by the class's source, the same for every
+    # layout: a fleet sharing one database replayed one layout's counterexample on
+    # another, and deleted it where it did not fail. The layout, the device and the
+    # policies drawn make the key too.
+    SimMachine._hypothesis_internal_add_digest = hashlib.sha256(  # type: ignore[attr-defined]
+        repr((config, device, policies)).encode()).digest()
     return SimMachine

@@ -565,3 +565,86 @@ def test_ctrl_c_is_one_line_and_exit_130(monkeypatch: pytest.MonkeyPatch,
     assert main(["check", "--preset", "gpt-oss", "--no-proofs"]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err
+
+
+# -- fuzz for hours (a review of long unattended runs) -------------------------------------
+
+def test_fuzz_rounds_reuse_one_machine_class() -> None:
+    """Hypothesis keeps every state machine class it runs (its per-class set-up state):
+    a new class per round grew a fuzz run by about 50 KB a round, gigabytes over hours of
+    short rounds. The rounds of one run now share one class."""
+    from hypothesis.stateful import RuleBasedStateMachine
+    config = preset("gpt-oss")
+    result = _check.BatteryResult()
+    built = _check.fuzz_machine(config, result)
+    kept = RuleBasedStateMachine._setup_state_per_class
+    before = len(kept)
+    for _ in range(4):
+        _check.run_machine(config, 1, 3, result, built=built)
+    assert len(kept) - before <= 1
+    assert result.failure is None
+
+
+def test_each_layout_and_device_has_its_own_database_key() -> None:
+    """The example database's key came from the machine's source alone: a fleet sharing
+    one database replayed a layout's counterexample on every other layout, and deleted
+    it where it did not fail."""
+    from hypothesis.internal.reflection import function_digest
+
+    from kvcore.sim._machine import make_machine
+    keys = {function_digest(make_machine(preset(name), device=device))
+            for name in ("gemma3", "gpt-oss") for device in ("cpu", "cuda")}
+    assert len(keys) == 4
+    assert function_digest(make_machine(preset("gemma3"))) == \
+        function_digest(make_machine(preset("gemma3")))  # stable across runs
+
+
+def test_a_database_folder_that_refuses_writes_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An existing folder that refuses writes passed mkdir, Hypothesis ignored each failed
+    save, and the run said the counterexample was saved."""
+    def refuse(*_a: Any, **_kw: Any) -> Any:
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    assert main(["fuzz", "--duration", "5s", "--db", str(tmp_path)]) == EXIT_USAGE
+    assert "cannot write there (Read-only file system)" in capsys.readouterr().err
+
+
+def test_a_failing_database_does_not_end_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """A Redis restart mid-run was a "crash inside kvcore" (exit 4). The database's own
+    failures are counted and said once; the failure report says what may be lost."""
+    from kvcore.cli import _guarded
+
+    class Down:
+        def save(self, key: bytes, value: bytes) -> None:
+            raise ConnectionError("Error 111 connecting: Connection refused")
+
+        def fetch(self, key: bytes) -> list[bytes]:
+            raise ConnectionError("Error 111 connecting: Connection refused")
+
+    db = _guarded(Down())
+    db.save(b"k", b"v")
+    assert db.fetch(b"k") == []
+    assert db.failures == 2
+    assert capsys.readouterr().err.count("the example database failed") == 1
+    assert "may not be saved" in _saved_note(db)
+
+
+def test_sigterm_ends_fuzz_with_its_own_code_and_the_totals(tmp_path: Path) -> None:
+    """SIGTERM (what CI sends at its timeout) killed the run silently: exit 143 from the
+    shell, no line saying why, no totals."""
+    import signal
+    import time as clock
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "fuzz", "--preset",
+                             "gpt-oss", "--duration", "120s", "--db", str(tmp_path / "db")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # the header: the run has started
+    assert first.startswith("kvcore fuzz:")
+    clock.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out, err)
+    assert "kvcore: terminated (SIGTERM)" in err
+    assert "stopped after" in out and "invariant checks" in out
