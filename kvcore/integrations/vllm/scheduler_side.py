@@ -99,8 +99,7 @@ class SchedulerSide:
         # A cap the client sent is checked like every other count (RequestInfo names it);
         # an engine that serves untrusted clients validates it where it accepts requests.
         cap = (params or {}).get("max_offload_tokens")
-        if rid not in self._requests and (rid in self._untracked
-                                          or rid in self.scheduler.tracked_requests()):
+        if rid not in self._requests and (rid in self._untracked or self._held(rid)):
             # vLLM reuses an id once the old request has left its scheduler, but kvcore
             # keeps a finished request until its stores settle. Refusing the arrival
             # would end the engine (vLLM does not catch it): this request runs without
@@ -112,6 +111,15 @@ class SchedulerSide:
                                                bool(request.skip_reading_prefix_cache)))
         self._requests[rid] = request
         self._hashes_sent[rid] = len(hashes)
+
+    def _held(self, rid: str) -> bool:
+        """Whether kvcore still holds a request of this id (finished, jobs in flight):
+        O(1), where ``tracked_requests`` copies every id."""
+        try:
+            self.scheduler.jobs_of(rid)
+        except UnknownRequestError:
+            return False
+        return True
 
     def _sync_hashes(self, request: Any) -> None:
         """Pass on the block hashes vLLM computed since the last call (tokens were added)."""
