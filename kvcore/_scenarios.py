@@ -758,24 +758,38 @@ def long_hash_chain(factory: Factory, config: OffloadConfig) -> None:
     from kvcore.scheduler._state import SEGMENT
     unit, hbt = unit_tokens(config), config.hash_block_tokens
     n = (cdiv((2 * SEGMENT + SEGMENT // 2) * hbt, unit) + 1) * unit
+    # A later step of three more units: its hashes land after the frozen segments, so
+    # its keys are read across the last segment and the tail (a slip in where the tail
+    # is cut only shows there).
+    extra = 3 * unit
     ids = _ids(config, n, 1)
-    blocks = 1 + sum(len(t) for t in ids)
+    blocks = 1 + sum(len(t) for t in ids)  # the next free id
+    grown: list[tuple[int, ...]] = []
+    for g, table in zip(config.groups, ids, strict=True):
+        count = cdiv(n + extra, g.tokens_per_block) - len(table)
+        grown.append(tuple(range(blocks, blocks + count)))
+        blocks += count
     cfg = small(config, cpu=max(4096, 2 * blocks), gpu=blocks + 1)
     sched = _lockstepped(factory)(cfg, _checked_tier(cfg), check=True)
-    hashes = _hashes(n // hbt, salt=11)
+    hashes = _hashes((n + extra) // hbt, salt=11)
     first = unit // hbt  # the prompt's own tuple holds one unit's hashes; the rest follow
     sched.add_request(RequestInfo("a", n, hashes[:first]))
     sched.lookup("a", 0, unit)
     plan = sched.build_step(StepInput(
-        (ScheduledRequest("a", n, 0, n, ids, hashes[first:]),),
+        (ScheduledRequest("a", n, 0, n, ids, hashes[first:n // hbt]),),
         allocated_ids=_allocated(ids)))
     _report_stores(sched, cfg, plan)
+    plan = sched.build_step(StepInput(
+        (ScheduledRequest("a", extra, n, n + extra, tuple(grown), hashes[n // hbt:]),),
+        allocated_ids=_allocated(tuple(grown))))
+    _report_stores(sched, cfg, plan)
+    hashes = hashes[:n // hbt]
     sched.add_request(RequestInfo("b", n, hashes))
     sched.lookup("b", 0, n)
     # Preempted, "a" asks again: its lookup reads its own chain's segments in strides
     # (``HashChain.strided``), where its store read them key by key.
     sched.build_step(StepInput(preempted=("a",)))
-    sched.lookup("a", 0, n)
+    sched.lookup("a", 0, n + extra)
 
 
 def failed_load_in_lock_step(factory: Factory, config: OffloadConfig) -> None:

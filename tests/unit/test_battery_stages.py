@@ -682,6 +682,28 @@ def test_a_prompt_being_written_is_pending(monkeypatch: pytest.MonkeyPatch, name
         _scenarios.lookup_of_a_prefix_being_written(OffloadScheduler, preset(name))
 
 
+def test_a_chain_that_grows_after_its_segments_meets_the_lock_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held-out seed 71's m13: ``HashChain.extend`` cuts ``len + len % SEGMENT`` hashes
+    into segments instead of ``len - ...``: the last segment is short, and a hash added
+    after it is read from past its end. ``long_hash_chain`` grew its chain once only, so
+    every read still landed; a later step of three more units now reads across the last
+    segment and the tail, and the lock step names it (R1)."""
+    import inspect
+    import textwrap
+
+    from kvcore import _scenarios
+    from kvcore.scheduler import _state
+    source = textwrap.dedent(inspect.getsource(_state.HashChain.extend))
+    cut = "whole = len(tail) - len(tail) % SEGMENT"
+    assert source.count(cut) == 1
+    namespace = dict(vars(_state))
+    exec(source.replace(cut, "whole = len(tail) + len(tail) % SEGMENT"), namespace)
+    monkeypatch.setattr(_state.HashChain, "extend", namespace["extend"])
+    with pytest.raises(InvariantViolation, match="R1"):
+        _scenarios.long_hash_chain(OffloadScheduler, preset(DEFAULT))
+
+
 def test_the_key_path_of_a_tier_of_your_own_meets_the_lock_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: with a tier that has only the base interface (no hash batches), a lookup's
