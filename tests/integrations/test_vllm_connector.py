@@ -743,6 +743,10 @@ def test_an_id_reused_while_the_old_request_stores_runs_without_offloading() -> 
     h.finish(a)
     del h.live["A"]
     again = h.new_request("A", list(range(33)))  # the same prompt: a hit if it were served
+    again.request.kv_transfer_params = {"max_offload_tokens": -1}
+    with pytest.raises(ArgumentRangeError, match="max_offload_tokens"):
+        h.sched.on_new_request(again.request)  # its input is still checked
+    again.request.kv_transfer_params = None
     assert h.admit(again) == 0
     stepped = h.step({"A": 33})
     assert not jobs(h.last_meta, JobKind.STORE)

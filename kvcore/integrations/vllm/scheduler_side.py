@@ -99,6 +99,8 @@ class SchedulerSide:
         # A cap the client sent is checked like every other count (RequestInfo names it);
         # an engine that serves untrusted clients validates it where it accepts requests.
         cap = (params or {}).get("max_offload_tokens")
+        info = RequestInfo(rid, request.num_prompt_tokens, hashes, cap,
+                           bool(request.skip_reading_prefix_cache))  # checks its fields
         if rid not in self._requests and (rid in self._untracked or self._held(rid)):
             # vLLM reuses an id once the old request has left its scheduler, but kvcore
             # keeps a finished request until its stores settle. Refusing the arrival
@@ -107,8 +109,7 @@ class SchedulerSide:
             # after the stores settle is tracked again.
             self._untracked.add(rid)
             return
-        self.scheduler.add_request(RequestInfo(rid, request.num_prompt_tokens, hashes, cap,
-                                               bool(request.skip_reading_prefix_cache)))
+        self.scheduler.add_request(info)
         self._requests[rid] = request
         self._hashes_sent[rid] = len(hashes)
 
