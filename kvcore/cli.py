@@ -352,7 +352,7 @@ def _redis_database(spec: str) -> Any:
 
 
 def _guarded_database_class() -> type[Any]:
-    from hypothesis.database import ExampleDatabase
+    from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
     class GuardedDatabase(ExampleDatabase):  # type: ignore[misc]
         """The example database, whose own failures do not end the run.
@@ -367,6 +367,7 @@ def _guarded_database_class() -> type[Any]:
             super().__init__()
             self.inner = inner
             self.failures = 0
+            self.reads_back = isinstance(inner, DirectoryBasedExampleDatabase)
 
         def _failed(self, call: str, exc: Exception) -> None:
             self.failures += 1
@@ -378,6 +379,10 @@ def _guarded_database_class() -> type[Any]:
         def save(self, key: bytes, value: bytes) -> None:
             try:
                 self.inner.save(key, value)
+                # The directory database swallows its own OSErrors (a full disk): read
+                # the value back, or its loss would go unreported.
+                if self.reads_back and value not in set(self.inner.fetch(key)):
+                    raise OSError("the value was not found after saving it")
             except Exception as exc:  # storage, not kvcore: counted and said once
                 self._failed("save", exc)
 
@@ -432,9 +437,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
           f"{args.db or _DEFAULT_DB}", flush=True)
     start = time.monotonic()
     result = _check.BatteryResult()
-    built = _check.fuzz_machine(config, result, args.device)
     progress = {"rounds": 0, "examples": 0}
     try:
+        built = _check.fuzz_machine(config, result, args.device)
         return _fuzz_rounds(args, config, db, built, result, start, progress)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the totals, then main's line and code
         print(f"stopped after {time.monotonic() - start:.0f}s: {progress['rounds']} rounds, "
@@ -479,7 +484,10 @@ def _fuzz_rounds(args: argparse.Namespace, config: OffloadConfig, db: Any, built
         print(f"inconclusive: {done} examples in {rounds} rounds evaluated no invariant; "
               "raise --steps or --examples")
         return EXIT_INCONCLUSIVE
-    print("ok: no counterexample found")
+    failed = getattr(db, "failures", 0)
+    print("ok: no counterexample found" + (
+        f" (but the example database failed {failed} times: saved counterexamples may "
+        "not have been replayed, nor new ones kept)" if failed else ""))
     return EXIT_OK
 
 
@@ -717,11 +725,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _install(signum: int, handler: Any) -> Any:
-    """Set a handler where Python may (the main thread); elsewhere leave it (None)."""
+    """Set a handler where Python may (the main thread) and where it can be put back:
+    not over an ignored signal (a parent's ``trap '' TERM`` stays in force, as Python
+    leaves an ignored SIGINT), nor over a handler set from C (``getsignal`` answers None:
+    it could not be restored). Returns what to restore, or None to leave it."""
     if handler is None:
         return None
     try:
-        return signal.signal(signum, handler)
+        current = signal.getsignal(signum)
+        if current is None or current is signal.SIG_IGN:
+            return None
+        signal.signal(signum, handler)
+        return current
     except ValueError:  # not the main thread: the embedding program owns its signals
         return None
 

@@ -740,6 +740,8 @@ def test_an_id_reused_while_the_old_request_stores_runs_without_offloading() -> 
     a = h.new_request("A", list(range(33)))
     h.admit(a)
     held = h.step({"A": 32}, deliver=False)  # A's store in flight, reports not delivered
+    old_stores = {j.job_id for j in jobs(h.last_meta, JobKind.STORE)}
+    assert old_stores
     h.finish(a)
     del h.live["A"]
     again = h.new_request("A", list(range(33)))  # the same prompt: a hit if it were served
@@ -750,6 +752,9 @@ def test_an_id_reused_while_the_old_request_stores_runs_without_offloading() -> 
     assert h.admit(again) == 0
     stepped = h.step({"A": 33})
     assert not jobs(h.last_meta, JobKind.STORE)
+    # Its blocks are the old request's, freed while its store still reads them: the step
+    # that hands them out waits for that store (the fence).
+    assert old_stores <= set(h.last_meta.flush)
     assert stepped is not None
     with pytest.raises(ArgumentRangeError, match="num_external_tokens"):
         h.sched.update_state_after_alloc(again.request, h.blocks(again), 4)

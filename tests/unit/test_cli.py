@@ -648,3 +648,38 @@ def test_sigterm_ends_fuzz_with_its_own_code_and_the_totals(tmp_path: Path) -> N
     assert proc.returncode == 143, (out, err)
     assert "kvcore: terminated (SIGTERM)" in err
     assert "stopped after" in out and "invariant checks" in out
+
+
+def test_a_directory_database_that_loses_a_save_is_counted(tmp_path: Path) -> None:
+    """Hypothesis's directory database swallows its own OSErrors (a full disk): the run
+    said "saved" of a value that was never written. The guard reads each save back."""
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    from kvcore.cli import _guarded
+    inner = DirectoryBasedExampleDatabase(str(tmp_path))
+    db = _guarded(inner)
+    db.save(b"k", b"kept")
+    assert db.failures == 0 and set(inner.fetch(b"k")) == {b"kept"}
+    inner.save = lambda key, value: None  # type: ignore[method-assign]
+    db.save(b"k", b"lost")
+    assert db.failures == 1 and "may not be saved" in _saved_note(db)
+
+
+def test_an_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:
+    """A parent's ``trap '' TERM`` was overridden: the run ended at the first SIGTERM."""
+    import signal
+    import time as clock
+
+    def ignore_term() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "fuzz", "--preset",
+                             "gpt-oss", "--duration", "4s", "--db", str(tmp_path / "db")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ignore_term)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("kvcore fuzz:")
+    clock.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 5), (out, err)
+    assert "terminated" not in err

@@ -65,8 +65,9 @@ def _positive_int(extra: Mapping[str, Any], key: str, default: int | None) -> in
     value = extra.get(key, default)
     if value is None:
         raise ConfigError(f"kv_connector_extra_config.{key}",
-                          f"{key} is required: set it to this rank's pinned CPU budget in "
-                          "bytes, e.g. {\"cpu_bytes\": 8589934592} for 8 GiB")
+                          f"{key} is required: set cpu_bytes to this rank's pinned CPU "
+                          "budget in bytes, e.g. {\"cpu_bytes\": 8589934592} for 8 GiB, "
+                          "or num_cpu_blocks to the CPU chunk slots per group")
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"kv_connector_extra_config.{key}",
                           f"{key}={value!r} must be a positive int")
@@ -135,8 +136,8 @@ def _slots(extra: Mapping[str, Any], vllm_config: Any, kv_cache_config: Any,
     holds its own layers, and vLLM splits them unevenly), and not for a group whose
     layers differ in page size (see ``_uneven_pages``). There the count must be given.
     """
-    if "num_cpu_blocks" in extra:
-        if "cpu_bytes" in extra:
+    if extra.get("num_cpu_blocks") is not None:
+        if extra.get("cpu_bytes") is not None:
             raise ConfigError("kv_connector_extra_config.num_cpu_blocks",
                               "cpu_bytes and num_cpu_blocks are both set; set one: "
                               "num_cpu_blocks (slots per group, the same on every rank) or "
@@ -201,16 +202,19 @@ def _draft_groups(vllm_config: Any, kv_cache_config: Any, offloaded: tuple[int, 
             or any(s.is_draft for s in v.layer_specs(
                 kv_cache_config.kv_cache_groups[gid].kv_cache_spec)))
     if not volatile:
-        # vLLM marks a separate draft model's layers as draft too (draft_model, dflash),
-        # but their KV depends on the prefix alone, so they are offloaded as ordinary
-        # groups. Only what the user set contradicts the engine.
+        # vLLM does not drop the drafter's trailing block here (a separate draft model,
+        # draft_model or dflash, whose KV depends on the prefix alone; or EAGLE/MTP with
+        # the block drop disabled, where vLLM itself reuses that block), yet it may still
+        # mark the drafter's layers as draft. The groups are offloaded as ordinary ones,
+        # as vLLM serves them; only draft options the user set contradict it.
         if (drafts and "draft_groups" in extra) or elsewhere:
             key = "draft_kv_elsewhere" if elsewhere else "draft_groups"
             method = None if spec_cfg is None else getattr(spec_cfg, "method", None)
             raise ConfigError(f"kv_connector_extra_config.{key}",
-                              f"{key} is set but vLLM runs no EAGLE/MTP drafter whose KV "
-                              "depends on the next token (speculative method "
-                              f"{method!r}); remove {key}")
+                              f"{key} is set, but vLLM does not drop the drafter's "
+                              f"trailing block (speculative method {method!r}: "
+                              "use_eagle_block_drop() is False), so it serves every group "
+                              f"as ordinary KV and so does kvcore; remove {key}")
         return False, frozenset(), False
     if not drafts and not elsewhere:
         raise ConfigError("kv_connector_extra_config.draft_groups",
