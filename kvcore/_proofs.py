@@ -142,26 +142,69 @@ def _env(source: ProofSource) -> dict[str, str]:
     return env
 
 
-def _run_once(source: ProofSource, module: str, ob: Any) -> tuple[int | None, str, float]:
+class Stopped(Exception):
+    """The run was stopped (Ctrl-C, SIGTERM) while this obligation waited to start."""
+
+
+class Children:
+    """The CrossHair processes of one ``run_proofs``, so that a stopped run ends them.
+
+    Each runs in its own session (so that a terminal's Ctrl-C reaches kvcore, which
+    decides), and so nothing else would stop it: a ``kvcore check`` ended by a CI timeout
+    left its CrossHair children running for up to their hang guard. ``stop`` kills every
+    live one and refuses new ones; starting happens under the same lock, so none slips in.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+        self.stopped = False
+
+    def start(self, command: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+        with self._lock:
+            if self.stopped:
+                raise Stopped("the proofs were stopped")
+            proc = subprocess.Popen(command, **kwargs)
+            self._live.add(proc.pid)
+            return proc
+
+    def done(self, pid: int) -> None:
+        with self._lock:
+            self._live.discard(pid)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            for pid in self._live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def _run_once(source: ProofSource, module: str, ob: Any, children: Children | None = None
+              ) -> tuple[int | None, str, float]:
     """(exit code or None if the guard fired, output, child CPU seconds)."""
     guard = GUARD_FACTOR * ob.budget_s + GUARD_EXTRA_S
+    children = children or Children()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(_command(module, ob), stdout=out, stderr=subprocess.STDOUT,
-                                env=_env(source), cwd=source.pythonpath or None, text=True,
-                                start_new_session=True)
+        proc = children.start(_command(module, ob), stdout=out, stderr=subprocess.STDOUT,
+                              env=_env(source), cwd=source.pythonpath or None, text=True,
+                              start_new_session=True)
         start = time.monotonic()
         rc: int | None = None
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                rc = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() - start > guard:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.1)
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    rc = os.waitstatus_to_exitcode(status)
+                    break
+                if time.monotonic() - start > guard:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    pid, status, usage = os.wait4(proc.pid, 0)
+                    break
+                time.sleep(0.1)
+        finally:
+            children.done(proc.pid)
         proc.returncode = rc if rc is not None else -9
         out.seek(0)
         text = out.read()
@@ -197,14 +240,15 @@ def classify(expect: str, function: str, rc: int | None, output: str) -> tuple[s
     return "failed", f"crosshair exited {rc}: {last}"
 
 
-def run_obligation(source: ProofSource, module: str, ob: Any) -> ObligationOutcome:
+def run_obligation(source: ProofSource, module: str, ob: Any,
+                   children: Children | None = None) -> ObligationOutcome:
     """Run one obligation; an out-of-budget run is retried once before it is reported."""
     name = short_name(module, ob.function)
     cpu = 0.0
     status, line, output = "inconclusive", "", ""
     attempts = 0
     for attempts in (1, 2):  # noqa: B007 - the count is reported
-        rc, output, used = _run_once(source, module, ob)
+        rc, output, used = _run_once(source, module, ob, children)
         cpu += used
         status, line = classify(ob.expect, ob.function, rc, output)
         if status != "inconclusive":
@@ -240,9 +284,12 @@ def run_proofs(progress: Callable[[str], None], *, workers: int = 2,
     cases.sort(key=lambda c: -c[1].budget_s)
     lock = threading.Lock()
     done: list[ObligationOutcome] = []
+    children = Children()
 
     def one(case: tuple[str, Any]) -> ObligationOutcome:
-        outcome = run_obligation(source, *case)
+        outcome = run_obligation(source, *case, children)
+        if children.stopped:
+            return outcome  # the run was stopped: no progress lines after it
         with lock:
             done.append(outcome)
             elapsed = time.monotonic() - start
@@ -252,8 +299,14 @@ def run_proofs(progress: Callable[[str], None], *, workers: int = 2,
                 progress(f"    crosshair: {outcome.last_line}")
         return outcome
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
+    try:
         outcomes = list(pool.map(one, cases))
+    except BaseException:  # Ctrl-C, SIGTERM: end the CrossHair children, then go on up
+        children.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     report = ProofReport(overall(outcomes), outcomes, seconds=time.monotonic() - start)
     return report
 
