@@ -459,8 +459,11 @@ def _fuzz_rounds(args: argparse.Namespace, config: OffloadConfig, db: Any, built
         if left <= 0 or (rounds and left < per_example):
             break  # the next example would end past --duration
         # The first round runs one example to time it; later rounds fit what is left, so
-        # the run ends within about one example of --duration, not a round past it.
-        count = 1 if not rounds else min(args.examples, max(1, int(left / per_example)))
+        # the run ends within about one example of --duration, not a round past it. Each
+        # round is at most twice the last: the first example is Hypothesis's minimal one,
+        # too quick to size a whole round by (--duration 5s ran about 8 s).
+        count = 1 if not rounds else min(args.examples, 2 ** min(rounds, 20),
+                                         max(1, int(left / per_example)))
         began = time.monotonic()
         _check.run_machine(config, count, args.steps, result, database=db,
                            device=args.device, built=built)

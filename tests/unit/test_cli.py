@@ -683,3 +683,24 @@ def test_an_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode in (0, 5), (out, err)
     assert "terminated" not in err
+
+
+def test_a_quick_first_example_does_not_size_a_long_round(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hypothesis's first example is its minimal one: timed on it alone, the next round
+    was sized for hundreds of examples (--duration 5s ran about 8 s; here 10 s would have
+    run 1,000 one-second examples). Each round is at most twice the last."""
+    import kvcore.cli
+
+    class Clock(_Clock):
+        def machine(self, _cfg: Any, examples: int, _steps: int,
+                    result: _check.BatteryResult, **_kw: Any) -> None:
+            self.now += 0.01 if not self.examples else examples  # the first is quick
+            self.examples += examples
+            result.checked["E1"] = result.checked.get("E1", 0) + examples
+    clock = Clock()
+    monkeypatch.setattr(kvcore.cli.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(_check, "run_machine", clock.machine)
+    assert main(["fuzz", "--preset", "gpt-oss", "--duration", "10s", "--examples", "1000",
+                 "--db", str(tmp_path / "db")]) == EXIT_OK
+    assert clock.now <= 11, clock.now
