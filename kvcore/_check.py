@@ -33,7 +33,7 @@ from kvcore._proofs import ProofReport
 from kvcore._scenarios import SCENARIOS, ScenarioFailure, check_fits, tallied
 from kvcore.scheduler import OffloadScheduler
 from kvcore.sim import IntegrityError, SimOptions, Simulator
-from kvcore.sim._engine import HarnessLimit, NotSettled, request_blocks
+from kvcore.sim._engine import HarnessLimit, NotSettled, two_request_pool
 from kvcore.sim._machine import make_machine
 from kvcore.spec.errors import InvariantViolation, KVCopyError, KVCoreError
 from kvcore.spec.invariants import INVARIANT_IDS
@@ -274,15 +274,9 @@ def stage_options(seed: int, config: OffloadConfig | None = None, *, lockstep: b
                        preempt_rate=max(opts.preempt_rate, 0.05))
     if config is not None and opts.num_cpu_blocks == PRESSURE_SLOTS:
         opts = replace(opts, num_cpu_blocks=pressure_slots(config, opts))
-    if config is not None:
-        # The pools above are sized for blocks of 16 tokens or so: with 1-token blocks
-        # one request needed more than the whole pool and the simulator refused the
-        # layout. Every pool holds two requests at least; unchanged where it does.
-        floor = 2 * request_blocks(config, opts) + 1
-        pool = opts.num_gpu_blocks or config.num_gpu_blocks
-        opts = replace(opts, num_gpu_blocks=max(pool, floor))
+    if config is not None:  # two requests at least; unchanged where the pool holds them
+        opts = replace(opts, num_gpu_blocks=two_request_pool(config, opts))
     return opts
-
 
 
 def pressure_slots(config: OffloadConfig, opts: SimOptions) -> int:
@@ -411,8 +405,10 @@ def run_machine(config: OffloadConfig, examples: int, steps: int, result: Batter
     """The state machine over the simulator; ``apply`` (if given) wraps the whole run.
     ``built`` is a class from ``fuzz_machine`` for ``result`` (then ``factory``, ``apply``
     and ``device`` are its, not read here)."""
+    if built is not None:
+        apply = None  # the built class is the one that runs
     trace: dict[str, Any] = {} if built is None else built[1]
-    with (apply if built is None and apply else _unmutated)() as mutated:
+    with (apply or _unmutated)() as mutated:
         machine = built[0] if built is not None else make_machine(
             config, scheduler_factory=mutated or factory, tally=result.checked,
             device=device, trace=trace)

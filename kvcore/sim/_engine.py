@@ -132,6 +132,14 @@ def request_blocks(config: OffloadConfig, opts: SimOptions) -> int:
     return total
 
 
+def two_request_pool(config: OffloadConfig, opts: SimOptions) -> int:
+    """The GPU pool ``opts`` asks for, raised where needed to hold two of its requests at
+    once (``request_blocks``): the fixed pools of ``kvcore check`` are sized for blocks of
+    16 tokens or so, and with 1-token blocks one request needed more than all of one."""
+    pool = opts.num_gpu_blocks or config.num_gpu_blocks
+    return max(pool, 2 * request_blocks(config, opts) + 1)
+
+
 def check_gpu_pool(config: OffloadConfig, options: SimOptions) -> None:
     """Refuse, before torch allocates it, a GPU pool past ``SIM_MAX_GPU_BYTES``: a
     ``HarnessLimit`` (exit 2) naming the size and the most blocks that fit, not torch's

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from kvcore.scheduler import BadReportError, WorkerReport
-from kvcore.sim._engine import Simulator, request_blocks
+from kvcore.sim._engine import Simulator, two_request_pool
 from kvcore.sim._workload import SimOptions
 from kvcore.spec.errors import InvariantViolation
 from kvcore.spec.invariants import Violation
@@ -49,6 +49,10 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
                     caps=st.sampled_from([0.0, 0.5]), cached=st.sampled_from([0.0, 0.5]))
         def start(self, seed: int, workers: int, cpu: int, context: int, policy: str,
                   prompt_only: bool, caps: float, cached: float) -> None:
+            if trace is not None:  # first: a failure below names this example's set-up
+                trace.clear()
+                trace.update(seed=seed, workers=workers, cpu=cpu, context=context,
+                             policy=policy, prompt_only=prompt_only, caps=caps, cached=cached)
             options = SimOptions(seed=seed, requests=0, context_tokens=context,
                                  num_workers=workers, num_cpu_blocks=cpu,
                                  num_gpu_blocks=1500, prefill_budget=192, max_running=3,
@@ -57,13 +61,7 @@ def make_machine(config: OffloadConfig, *, scheduler_factory: Any = None,
                                  reset_rate=0.0, policy=policy, prompt_only=prompt_only,
                                  request_cap_rate=caps, gpu_cache_rate=cached)
             # Two requests at least on a layout of tiny blocks (as stage_options).
-            floor = 2 * request_blocks(config, options) + 1
-            if floor > 1500:
-                options = replace(options, num_gpu_blocks=floor)
-            if trace is not None:
-                trace.clear()
-                trace.update(seed=seed, workers=workers, cpu=cpu, context=context,
-                             policy=policy, prompt_only=prompt_only, caps=caps, cached=cached)
+            options = replace(options, num_gpu_blocks=two_request_pool(config, options))
             self.sim = Simulator(config, options, check=True, device=device,
                                  scheduler_factory=scheduler_factory)
 
