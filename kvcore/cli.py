@@ -11,6 +11,7 @@ counterexample, or an invariant no stage evaluated; nothing else failed), 130 in
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import re
@@ -351,6 +352,7 @@ def _redis_database(spec: str) -> Any:
     return _guarded(RedisExampleDatabase(client, key_prefix=b"kvcore-fuzz:"))
 
 
+@functools.cache
 def _guarded_database_class() -> type[Any]:
     from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
@@ -369,41 +371,36 @@ def _guarded_database_class() -> type[Any]:
             self.failures = 0
             self.reads_back = isinstance(inner, DirectoryBasedExampleDatabase)
 
-        def _failed(self, call: str, exc: Exception) -> None:
-            self.failures += 1
-            if self.failures == 1:
-                print(f"kvcore fuzz: the example database failed ({call}: "
-                      f"{type(exc).__name__}: {str(exc)[:200]}); fuzzing goes on, but "
-                      "what it finds may not be saved", file=sys.stderr, flush=True)
+        def _guard(self, call: str, run: Callable[[], Any], default: Any = None) -> Any:
+            try:
+                return run()
+            except Exception as exc:  # storage, not kvcore: counted and said once
+                self.failures += 1
+                if self.failures == 1:
+                    print(f"kvcore fuzz: the example database failed ({call}: "
+                          f"{type(exc).__name__}: {str(exc)[:200]}); fuzzing goes on, but "
+                          "what it finds may not be saved", file=sys.stderr, flush=True)
+                return default
+
+        def _save(self, key: bytes, value: bytes) -> None:
+            self.inner.save(key, value)
+            # The directory database swallows its own OSErrors (a full disk): read the
+            # value back, or its loss would go unreported.
+            if self.reads_back and value not in set(self.inner.fetch(key)):
+                raise OSError("the value was not found after saving it")
 
         def save(self, key: bytes, value: bytes) -> None:
-            try:
-                self.inner.save(key, value)
-                # The directory database swallows its own OSErrors (a full disk): read
-                # the value back, or its loss would go unreported.
-                if self.reads_back and value not in set(self.inner.fetch(key)):
-                    raise OSError("the value was not found after saving it")
-            except Exception as exc:  # storage, not kvcore: counted and said once
-                self._failed("save", exc)
+            self._guard("save", lambda: self._save(key, value))
 
         def fetch(self, key: bytes) -> list[bytes]:
-            try:
-                return list(self.inner.fetch(key))
-            except Exception as exc:  # as save
-                self._failed("fetch", exc)
-                return []
+            got: list[bytes] = self._guard("fetch", lambda: list(self.inner.fetch(key)), [])
+            return got
 
         def delete(self, key: bytes, value: bytes) -> None:
-            try:
-                self.inner.delete(key, value)
-            except Exception as exc:  # as save
-                self._failed("delete", exc)
+            self._guard("delete", lambda: self.inner.delete(key, value))
 
         def move(self, src: bytes, dest: bytes, value: bytes) -> None:
-            try:
-                self.inner.move(src, dest, value)
-            except Exception as exc:  # as save
-                self._failed("move", exc)
+            self._guard("move", lambda: self.inner.move(src, dest, value))
 
     return GuardedDatabase
 
