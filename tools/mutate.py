@@ -49,6 +49,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,10 @@ OPERATORS.update({
 C_SWAPS = [("<=", "<"), (">=", ">"), ("==", "!="), ("!=", "=="), ("&&", "||"), ("||", "&&"),
            (" - ", " + "), (" + ", " - ")]
 C_SINGLE = [(re.compile(r"(?<![<>-])<(?![<=])"), "<="), (re.compile(r"(?<![<>-])>(?![>=])"), ">=")]
+# Survivors reviewed as equivalent (no input tells them from the original), with the
+# argument for each; matched by file and the mutated line's text before and after, so an
+# entry outlives edits elsewhere and lapses when its line changes.
+EQUIVALENT = ROOT / "tools" / "mutate_equivalent.toml"
 # A named failure (exit 1), or an invariant no stage evaluated (exit 5: the run is not
 # "ok", and it names the rule).
 INVARIANT_FAIL = re.compile(r"^(?:FAILED \((invariant|integrity|canary)"
@@ -102,6 +107,7 @@ class Mutant:
     check: str = "not run"
     check_by: str = ""
     seconds: float = 0.0
+    equivalent: str = ""
 
 
 @dataclass
@@ -338,8 +344,26 @@ def evaluate(tree: Path, m: Mutant, opts: Options, base: dict[str, float]) -> No
         m.seconds = round(time.monotonic() - start, 1)
 
 
-def rate(mutants: list[Mutant], attr: str) -> str:
+def load_equivalent(path: Path = EQUIVALENT) -> dict[tuple[str, str, str], str]:
+    """(path, line before, line after) -> why, from the reviewed list."""
+    entries = tomllib.loads(path.read_text()).get("mutant", []) if path.exists() else []
+    return {(e["path"], e["before"], e["after"]): e["why"] for e in entries}
+
+
+def mark_equivalent(mutants: list[Mutant], reviewed: dict[tuple[str, str, str], str]) -> None:
+    """Attach the review's argument to each mutant it covers (killed or not: a reviewed
+    mutant that some runner kills means the review was wrong, and the report says so)."""
+    for m in mutants:
+        m.equivalent = reviewed.get((m.path, m.before, m.after), "")
+
+
+def rate(mutants: list[Mutant], attr: str, *, drop_equivalent: bool = False) -> str:
+    """Killed over valid mutants; with ``drop_equivalent``, reviewed equivalents that
+    survived leave the denominator (the usual mutation score: nothing can kill them)."""
     valid = [m for m in mutants if not getattr(m, attr).startswith(("not ",))]
+    if drop_equivalent:
+        valid = [m for m in valid
+                 if not (m.equivalent and getattr(m, attr).startswith("survived"))]
     killed = [m for m in valid if getattr(m, attr).startswith("killed")]
     if not valid:
         return "n/a"
@@ -353,19 +377,47 @@ def report(mutants: list[Mutant], opts: Options, out: Path | None) -> None:
               f"{m.tests.split(' ')[0]:9} {m.check.split(' ')[0]}")
     for name, attr in (("tests", "tests"), ("kvcore check", "check")):
         if attr in opts.runners:
-            print(f"kill rate, {name}: {rate(mutants, attr)}")
+            print(f"kill rate, {name}: {rate(mutants, attr)}; reviewed equivalents left "
+                  f"out: {rate(mutants, attr, drop_equivalent=True)}")
     for attr in opts.runners:
         survivors = [m for m in mutants if getattr(m, attr).startswith("survived")]
         if survivors:
             print(f"\nsurvivors of {attr}:")
         for m in survivors:
             print(f"  {m.ident} {m.path}:{m.line} {m.family}/{m.operator}: "
-                  f"{m.before!r} -> {m.after!r} ({getattr(m, attr)})")
+                  f"{m.before!r} -> {m.after!r} ({getattr(m, attr)})"
+                  + (f"\n      equivalent: {m.equivalent}" if m.equivalent else ""))
+    wrong = [m for m in mutants if m.equivalent
+             and any(getattr(m, a).startswith("killed") for a in opts.runners)]
+    for m in wrong:  # a kill disproves the review: the entry must go
+        print(f"REVIEW WRONG: {m.ident} {m.path}:{m.line} is listed as equivalent in "
+              f"{EQUIVALENT.name} but was killed; remove the entry")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"rates": {a: rate(mutants, a) for a in opts.runners},
+                                   "rates_equivalent_left_out": {
+                                       a: rate(mutants, a, drop_equivalent=True)
+                                       for a in opts.runners},
                                    "mutants": [asdict(m) for m in mutants]}, indent=2))
         print(f"\nwrote {out}")
+
+
+def pool_reports(paths: list[Path]) -> int:
+    """Pooled rates of earlier samples; the equivalents are re-read, so a review written
+    after a run counts (and one a runner disproved is named)."""
+    mutants: list[Mutant] = []
+    runners: list[str] = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        runners += [r for r in data["rates"] if r not in runners]
+        for raw in data["mutants"]:
+            m = Mutant(**{k: v for k, v in raw.items() if k in Mutant.__dataclass_fields__})
+            m.ident = f"{path.stem}:{m.ident}"
+            mutants.append(m)
+    mark_equivalent(mutants, load_equivalent())
+    # Each runner's rate counts only the samples that ran it.
+    report(mutants, Options(Path(), 0.0, 0.0, [], tuple(runners)), None)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,7 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ids", default="",
                    help="run only these idents of the sample (m03,m17): re-run survivors")
     p.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    p.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                   help="run nothing: pool earlier reports (--json files) and print their "
+                        "rates and survivors, judged by today's list of equivalents")
     args = p.parse_args(argv)
+    if args.pool:
+        return pool_reports(args.pool)
     if not args.cosmic_ray.exists():
         sys.exit(f"mutate: {args.cosmic_ray} not found; `make mutate` installs cosmic-ray "
                  "into build/mutate-venv")
@@ -425,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {m.ident} {m.path}:{m.line} {m.family}/{m.operator}#{m.occurrence}")
             return 0
         base = baseline(tree, opts)
+        reviewed = load_equivalent()
         for m in sample:
             evaluate(tree, m, opts, base)
+            mark_equivalent([m], reviewed)
             print(f"{m.ident} {m.path}:{m.line} {m.operator}: tests {m.tests} {m.tests_by} | "
                   f"check {m.check} {m.check_by} ({m.seconds}s)", flush=True)
         report(sample, opts, args.json)
