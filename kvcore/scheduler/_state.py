@@ -74,11 +74,11 @@ class HashChain:
         return self.size
 
     def __getitem__(self, index: int) -> bytes:
-        """Hash ``index``; negative indexes count from the end, as a list's do."""
+        """Hash ``index``, ``0 <= index < len(self)``. No negative indexes: kvcore never
+        reads from the end (``GroupKeys`` resolves its own negatives first), and a branch
+        nothing calls is a branch nothing checks."""
         if index < 0:
-            index += self.size
-            if index < 0:
-                raise IndexError("hash index out of range")
+            raise IndexError(f"hash index {index} is negative")
         base = self._base
         if index < len(base):
             return base[index]

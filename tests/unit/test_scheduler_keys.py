@@ -69,10 +69,9 @@ def test_chain_answers_as_a_list(extends: list[tuple[int, bool]], data: st.DataO
         assert len(chain) == len(model)
     assert chain.strided(0, len(model), 1) == model
     if model:
-        for index in data.draw(st.lists(st.integers(-len(model), len(model) - 1),
-                                        max_size=10)):
+        for index in data.draw(st.lists(st.integers(0, len(model) - 1), max_size=10)):
             assert chain[index] == model[index]
-    for index in (len(model), -len(model) - 1):
+    for index in (len(model), -1, -len(model) - 1):
         with pytest.raises(IndexError):
             chain[index]
     for _ in range(5):
