@@ -10,17 +10,34 @@ carries its facts as fields so that ``--json`` output never parses message text.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
 Key = bytes
 
 
+def _rebuild(cls: type[KVCoreError], args: tuple[Any, ...],
+             state: dict[str, Any]) -> KVCoreError:
+    """Unpickle an error without its ``__init__`` (whose arguments are not ``args``)."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class KVCoreError(Exception):
     """The base of every error kvcore raises, so ``except KVCoreError`` catches exactly
     kvcore's own. Each subclass also derives from the builtin that fits (``ValueError``,
     ``TypeError``, ``KeyError``...), so existing ``except ValueError`` handlers keep working.
+
+    Errors cross process boundaries (an engine's workers run in other processes and send
+    their exceptions back pickled): the default pickling calls ``cls(*args)``, which the
+    subclasses' keyword constructors refuse, so every error pickles as its args and fields.
     """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class ConfigError(KVCoreError, ValueError):
@@ -127,13 +144,39 @@ class BlockTableError(KVCoreError, ValueError):
     """The engine's block table cannot hold what it claims (too short, or a null inside)."""
 
 
+# Containers are shown by their first items (reprlib): a wrong-typed container of
+# millions of keys is refused in the time of a few, not of its whole repr.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 200
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """A value for a message: its repr, whole up to ``limit`` characters, else its first
+    ``limit - 4`` and ``...>`` so it reads as cut; an object whose ``__repr__`` raises
+    is named by its type instead of replacing the kvcore error with its own."""
+    try:
+        text = _REPR.repr(value) if isinstance(value, _CONTAINERS) else repr(value)
+    except Exception:  # any failure of a caller's __repr__
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 4] + "...>"
+
+
+def type_name(value: object) -> str:
+    """A type's name for a message, with its module when not a builtin: numpy's bool is
+    ``numpy.bool``, so "is a bool, expected bool" cannot happen."""
+    kind = type(value)
+    module = kind.__module__
+    return kind.__name__ if module == "builtins" else f"{module}.{kind.__name__}"
+
+
 def short_key(key: object) -> str:
     """A key for messages: its repr, cut to a readable length, with its size when cut."""
-    text = repr(key)
-    if len(text) <= 40:
+    text = short_repr(key, 40)
+    if not text.endswith("...>"):
         return text
     size = f" ({len(key)} bytes)" if isinstance(key, bytes) else ""
-    return text[:36] + "...'" + size
+    return text + size
 
 
 class KeyNotReadyError(KVCoreError, KeyError):
@@ -185,7 +228,7 @@ class InvalidKeyError(KVCoreError, TypeError):
 
     def __init__(self, key: object) -> None:
         self.key = key
-        self.message = (f"prepare_store: key {short_key(key)} is a {type(key).__name__}, "
+        self.message = (f"prepare_store: key {short_key(key)} is a {type_name(key)}, "
                         "not bytes; build keys with kvcore.spec.types.make_key")
         super().__init__(self.message)
 
@@ -197,11 +240,6 @@ class InvalidKeyError(KVCoreError, TypeError):
 # Raised by the hooks, the hook dataclasses and the manager before anything changes. Each
 # carries ``where`` (the call), ``argument`` (the name, with an index when it is one item
 # of a sequence), ``value``, ``bound`` (what was allowed) and ``fix`` as fields.
-
-
-def _short_value(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:56] + "...'"
 
 
 class _ArgumentError(KVCoreError):
@@ -232,8 +270,8 @@ class ArgumentTypeError(_ArgumentError, TypeError):
     """
 
     def _message(self) -> str:
-        return (f"{self.where}: {self.argument}={_short_value(self.value)} is a "
-                f"{type(self.value).__name__}, expected {self.bound}; {self.fix}")
+        return (f"{self.where}: {self.argument}={short_repr(self.value)} is a "
+                f"{type_name(self.value)}, expected {self.bound}; {self.fix}")
 
 
 class ArgumentRangeError(_ArgumentError, ValueError):
@@ -244,7 +282,7 @@ class ArgumentRangeError(_ArgumentError, ValueError):
     """
 
     def _message(self) -> str:
-        return (f"{self.where}: {self.argument}={_short_value(self.value)} is outside "
+        return (f"{self.where}: {self.argument}={short_repr(self.value)} is outside "
                 f"{self.bound}; {self.fix}")
 
 
@@ -299,11 +337,11 @@ class BadKeyError(InvalidKeyError):
         self.argument = "key"
         self.value = key
         self.bound = bound
-        kind = type(key).__name__
-        what = (f"is a {kind}, not bytes" if type(key) is not bytes
+        what = (f"is a {type_name(key)}, not bytes" if type(key) is not bytes
                 else f"has {len(key)} bytes, outside 1..{bound}")
         self.message = (f"{where}: key {short_key(key)} {what}; build keys with "
                         "kvcore.spec.types.make_key")
+        self.args = (self.message,)  # the base's prepare_store message would stay there
 
 
 class KeyGroupError(BadKeyError):
@@ -320,6 +358,7 @@ class KeyGroupError(BadKeyError):
                         f"tier's pools 0..{bound - 1}; build keys with "
                         "kvcore.spec.types.make_key(hash, group) for a configured group, "
                         "or give the manager one capacity per group")
+        self.args = (self.message,)
 
 
 class TransferArgumentError(KVCoreError, ValueError):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from kvcore.spec.errors import ArgumentRangeError, ArgumentTypeError, ConfigError
+from kvcore.spec.errors import short_repr as _show
 
 # A limit on everything (TigerBeetle): these bound what a config may ask for, so that a
 # typo (a window of 10**12 tokens, bytes given where blocks are meant) is a ConfigError
@@ -284,12 +285,6 @@ class KeptOffsets:
     def __iter__(self) -> Iterator[int]:
         for start, stop in self.spans:
             yield from range(start, stop)
-
-
-def _show(value: object) -> str:
-    """A value for a message: its repr, cut so a huge string cannot flood the error."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:56] + "...'"
 
 
 def _check_int(name: str, value: object, lo: int, hi: int, hint: str, why: str) -> None:

@@ -25,10 +25,11 @@ buffers and regions) and ``_engine`` (the engine, its queue and worker).
 from __future__ import annotations
 
 from kvcore._cuda import cuda_available, cuda_unavailable_reason
+from kvcore.spec.errors import short_repr
 
 from ._engine import TransferEngine
 from ._memory import CPU_BUFFER_ALIGNMENT
-from ._plans import MAX_IDS_PER_GROUP, MAX_JOB_ID, short_repr
+from ._plans import MAX_IDS_PER_GROUP, MAX_JOB_ID
 from ._results import TransferResult
 from ._setup import MAX_QUEUED_JOBS, MAX_QUEUED_JOBS_LIMIT, cpu_capacity
 

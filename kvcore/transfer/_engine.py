@@ -23,13 +23,13 @@ import torch
 
 from kvcore import _cuda, _native
 from kvcore._native import RegionTable, Status
-from kvcore.spec.errors import CallOrderError, KVCopyError, TransferArgumentError
+from kvcore.spec.errors import CallOrderError, KVCopyError, TransferArgumentError, short_repr
 from kvcore.spec.plans import GroupTransfer, TransferPlan
 from kvcore.spec.types import OffloadConfig
 
 from . import _setup
 from ._memory import _bad, _check_disjoint, _Registered
-from ._plans import _Job, _kv_error, check_plan, prepare_plan, short_repr
+from ._plans import _Job, _kv_error, check_plan, prepare_plan
 from ._results import MAX_IN_FLIGHT, TransferResult, _failed, _Flight
 from ._setup import MAX_QUEUED_JOBS, MAX_UNPOLLED_JOBS, _check_options
 from ._stream import SimulatedStream

@@ -19,7 +19,7 @@ import torch
 
 from kvcore import _native
 from kvcore._native import DescriptorTable, ErrorRecord, Side, Status
-from kvcore.spec.errors import KVCopyError, TransferArgumentError
+from kvcore.spec.errors import KVCopyError, TransferArgumentError, short_repr
 from kvcore.spec.hooks import own_items
 from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan
 from kvcore.spec.types import OffloadConfig
@@ -61,12 +61,6 @@ def _check_ints(name: str, values: object, job_id: int) -> tuple[int, ...]:
             raise TransferArgumentError(name, f"holds {short_repr(v)} ({type(v).__name__}); "
                                               "ids must be ints", job_id=job_id)
     return got
-
-
-def short_repr(value: object) -> str:
-    """A repr cut to a readable length (messages name the value without flooding a log)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:56] + "...>"
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,78 @@ def test_a_nested_capacity_is_a_config_error(capacity: object) -> None:
 
 def test_a_preset_can_override_the_config_name() -> None:
     assert preset("gemma3", name="my-layout").name == "my-layout"
+
+
+# One instance of every error class, built as kvcore builds it (a class added to the module
+# without an entry here fails test_every_error_survives_pickling).
+SAMPLES: dict[str, errors.KVCoreError] = {
+    "KVCoreError": errors.KVCoreError("plain"),
+    "ConfigError": errors.ConfigError("groups[1].window_tokens", "must be > 0"),
+    "KVCopyError": errors.KVCopyError("bad id", code=3, descriptor_index=2, job_id=7,
+                                      group=1, value=99, bound=64, side=1, native=True),
+    "InvariantViolation": errors.InvariantViolation([], at_runtime=True),
+    "UnknownRequestError": errors.UnknownRequestError("r1"),
+    "UnknownJobError": errors.UnknownJobError("job 3"),
+    "BadReportError": errors.BadReportError("twice"),
+    "BadStepError": errors.BadStepError("groups"),
+    "CallOrderError": errors.CallOrderError("submit", "engine closed"),
+    "BlockTableError": errors.BlockTableError("short"),
+    "KeyNotReadyError": errors.KeyNotReadyError(b"k" * 8, "writing"),
+    "NotPinnedError": errors.NotPinnedError(b"k" * 8, "ready", 0, 1),
+    "InvalidKeyError": errors.InvalidKeyError("not bytes"),
+    "ArgumentTypeError": errors.ArgumentTypeError("lookup", "request_id", 3, "str", "fix"),
+    "ArgumentRangeError": errors.ArgumentRangeError("lookup", "n", -1, ">= 0", "fix"),
+    "BlockIdError": errors.BlockIdError("step", "ids[0]", 0, "1..9", "fix", group=2),
+    "HashError": errors.HashError("add_request", "hashes[0]", b"x", "32 bytes", "fix"),
+    "DuplicateRequestError": errors.DuplicateRequestError("build_step", "requests", "r"),
+    "BadKeyError": errors.BadKeyError("lookup_many", b"", 68),
+    "KeyGroupError": errors.KeyGroupError("prepare_store", b"k" * 8, 9, 2),
+    "TransferArgumentError": errors.TransferArgumentError("cpu_buffer", "too small",
+                                                          value=3, bound=4, job_id=1),
+}
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_error_survives_pickling(cls: type[BaseException]) -> None:
+    """An engine's workers run in other processes and send their exceptions back pickled
+    (multiprocessing, Ray): each kvcore error must arrive as itself, message and fields.
+    Before, every class with its own constructor failed to unpickle with a bare TypeError
+    (``cls(*args)`` with the message as the only argument), and ``KVCopyError`` lost its
+    fields."""
+    import pickle
+
+    if cls.__name__.startswith("_"):
+        pytest.skip("abstract base")
+    error = SAMPLES[cls.__name__]
+    assert type(error) is cls
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is cls
+    assert str(back) == str(error) and back.args == error.args
+    assert back.__dict__ == error.__dict__
+
+
+def test_a_key_error_repr_names_its_own_call() -> None:
+    """``BadKeyError``'s args held its base's ``prepare_store`` message ("is a bytes, not
+    bytes"), so ``repr``, logs and pickles named the wrong call."""
+    error = errors.BadKeyError("lookup_many", b"", 68)
+    assert error.args == (str(error),) and "lookup_many" in repr(error)
+    group = errors.KeyGroupError("touch", b"k" * 8, 9, 2)
+    assert group.args == (str(group),) and "group=9" in repr(group)
+
+
+def test_a_huge_or_hostile_value_is_named_cheaply() -> None:
+    """A wrong-typed container of millions of items is named by its first few (its whole
+    repr took seconds and hundreds of MB), and a value whose ``__repr__`` raises is named
+    by its type (its exception replaced kvcore's)."""
+
+    class Hostile:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    assert errors.short_repr(Hostile()).startswith("<")
+    assert "Hostile" in errors.short_repr(Hostile())
+    big = list(range(2_000_000))
+    assert errors.short_repr(big).startswith("[0, 1, 2")
+    with pytest.raises(errors.ArgumentTypeError) as info:
+        kvcore.CPUOffloadManager(4).prepare_store(Hostile())  # type: ignore[arg-type]
+    assert "Hostile" in str(info.value)
