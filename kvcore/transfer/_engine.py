@@ -11,6 +11,7 @@ no longer read.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -28,7 +29,7 @@ from kvcore.spec.plans import GroupTransfer, TransferPlan
 from kvcore.spec.types import OffloadConfig
 
 from . import _setup
-from ._memory import _bad, _check_disjoint, _Registered
+from ._memory import _bad, _Registered, check_pools
 from ._plans import _Job, _kv_error, check_plan, prepare_plan
 from ._results import MAX_IN_FLIGHT, TransferResult, _failed, _Flight
 from ._setup import MAX_QUEUED_JOBS, MAX_UNPOLLED_JOBS, _check_options
@@ -100,7 +101,10 @@ class TransferEngine:
             self._open_stream(SimulatedStream(simulate_stream, float(simulate_faults)), 0)
         self._cond = threading.Condition()
         self._pending: set[int] = set()
-        self._done: list[TransferResult] = []
+        # Finished and not yet polled, by job id, in completion order: an id stays taken
+        # until poll() hands its result out (two results under one id could not be told
+        # apart, and the scheduler would refuse the second report).
+        self._done: dict[int, TransferResult] = {}
         self._closed = False
         self._released = False  # the worker stopped and the CUDA handles are freed
         self._queue: queue.Queue[tuple[TransferPlan, object] | None] = queue.Queue(
@@ -138,8 +142,8 @@ class TransferEngine:
                     raise _bad(p.where, f"has {p.row_bytes} bytes per block; the registered "
                                         f"tensor has {r.row_bytes} (the CPU tier is laid out "
                                         "by it)", value=p.row_bytes, bound=r.row_bytes)
-        _check_disjoint([p for ps in pools for p in ps] + [r.cpu_pool for regs in self._groups
-                                                           for r in regs])
+        check_pools([p for ps in pools for p in ps] + [r.cpu_pool for regs in self._groups
+                                                       for r in regs])
         gpu_flags = self._regions.regions[self._groups[0][0].gpu_region].flags
         regions = list(self._regions.regions)
         groups = [[replace(r, gpu=p.tensor, gpu_pool=p) for p, r in zip(ps, regs, strict=True)]
@@ -204,6 +208,7 @@ class TransferEngine:
         point) on the exact table a submit would copy. Wrong Python types raise
         TransferArgumentError (a ValueError).
         """
+        plan = check_plan(plan)  # the fields read once (a subclass may answer twice)
         job = self._prepare(plan)
         failure = self._storage_error(plan)
         if failure is not None:
@@ -246,13 +251,16 @@ class TransferEngine:
                                      "submitted and not handed out by poll() (the limit, "
                                      f"MAX_UNPOLLED_JOBS, is {MAX_UNPOLLED_JOBS}); wait() "
                                      "leaves results for poll(): call poll()")
-            if plan.job_id in self._pending:
-                raise TransferArgumentError("plan.job_id", f"job {plan.job_id} is already in "
-                                            "flight; job ids must be unique among unfinished "
-                                            "jobs", job_id=plan.job_id)
+            if plan.job_id in self._pending or plan.job_id in self._done:
+                state = "in flight" if plan.job_id in self._pending else "finished, its " \
+                    "result not yet handed out by poll()"
+                raise TransferArgumentError("plan.job_id", f"job {plan.job_id} is {state}; "
+                                            "job ids must be unique among jobs not yet "
+                                            "polled", job_id=plan.job_id)
             failure = self._storage_error(plan)
             if failure is not None:  # finished at once, never queued
-                self._done.append(TransferResult(plan.job_id, False, 0, 0.0, str(failure)))
+                self._done[plan.job_id] = TransferResult(plan.job_id, False, 0, 0.0,
+                                                         str(failure))
                 self._cond.notify_all()
                 return
             self._pending.add(plan.job_id)
@@ -264,8 +272,8 @@ class TransferEngine:
     def poll(self) -> list[TransferResult]:
         """Finished jobs since the last poll, in completion order (each returned once)."""
         with self._cond:
-            done, self._done = self._done, []
-        return done
+            done, self._done = self._done, {}
+        return list(done.values())
 
     def in_flight(self) -> list[int]:
         """Job ids submitted and not finished yet, in ascending order."""
@@ -286,7 +294,7 @@ class TransferEngine:
             if not self._cond.wait_for(lambda: not ids & self._pending, timeout):
                 raise TimeoutError(f"jobs {sorted(ids & self._pending)} still running after "
                                    f"{timeout} s")
-            return [r for r in self._done if r.job_id in ids]
+            return [r for r in self._done.values() if r.job_id in ids]
 
     def drain(self, timeout: float | None = None) -> list[TransferResult]:
         """Wait for every job in flight (before freeing or resizing a registered pool)."""
@@ -303,8 +311,8 @@ class TransferEngine:
         finally:  # never leave a waiter hanging, even if the worker dies
             with self._cond:
                 for job_id in sorted(self._pending):
-                    self._done.append(TransferResult(job_id, False, 0, 0.0,
-                                                     "transfer worker stopped"))
+                    self._done[job_id] = TransferResult(job_id, False, 0, 0.0,
+                                                        "transfer worker stopped")
                 self._pending.clear()
                 self._cond.notify_all()
 
@@ -341,7 +349,7 @@ class TransferEngine:
             block = False
             with self._cond:
                 self._pending.discard(head.job_id)
-                self._done.append(result)
+                self._done[head.job_id] = result
                 self._cond.notify_all()
 
     def _execute(self, plan: TransferPlan, ready: object) -> _Flight:
@@ -469,8 +477,18 @@ class TransferEngine:
         return self._registered(group, tensor).cpu
 
     def read_cpu_chunk(self, group: int, tensor: int, slot: int) -> bytes:
-        """A copy of one CPU chunk's bytes (for tests and the integrity simulator)."""
-        cpu = self._registered(group, tensor).cpu
+        """A copy of one CPU chunk's bytes (for tests and the integrity simulator).
+
+        KVCopyError (E_STORAGE) when the tier's memory was freed or resized since it was
+        registered, as a job reading it would fail, instead of torch's own error."""
+        reg = self._registered(group, tensor)
+        cpu = reg.cpu
+        change = reg.cpu_pool.changed()
+        if change is not None:
+            raise KVCopyError(f"read_cpu_chunk({group}, {tensor}): {change}; the tier was "
+                              "freed or resized after registration", code=Status.E_STORAGE,
+                              group=group, value=reg.cpu_pool.storage.nbytes(),
+                              bound=reg.cpu_pool.storage_nbytes)
         if type(slot) is not int:
             raise _bad("slot", f"{short_repr(slot)} is a {type(slot).__name__}, not an int "
                                f"slot in 0..{cpu.shape[0] - 1}")
@@ -514,7 +532,13 @@ def _job_ids(job_ids: object) -> set[int]:
     if isinstance(job_ids, str | bytes) or not isinstance(job_ids, Iterable):
         raise _bad("wait(job_ids)", f"{short_repr(job_ids)} is not a list of job ids; pass "
                                     "the plans' job ids, e.g. [plan.job_id]")
-    items = list(job_ids)
+    # At most MAX_UNPOLLED_JOBS ids can name unpolled jobs, so more is a mistake, and an
+    # endless iterable (itertools.count()) must be refused, not read until memory runs out.
+    items = list(itertools.islice(job_ids, MAX_UNPOLLED_JOBS + 1))
+    if len(items) > MAX_UNPOLLED_JOBS:
+        raise _bad("wait(job_ids)", f"holds more than {MAX_UNPOLLED_JOBS} ids "
+                                    "(MAX_UNPOLLED_JOBS: no more jobs can await poll() at "
+                                    "once); pass the ids of the jobs to wait for")
     if not set(map(type, items)) <= {int}:
         bad = next(i for i in items if type(i) is not int)
         raise _bad("wait(job_ids)", f"holds {short_repr(bad)}, a {type(bad).__name__}; job "

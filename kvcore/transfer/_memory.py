@@ -213,3 +213,61 @@ def _check_buffer(buf: object, where: str, nbytes: int, pinned: bool) -> torch.T
                           "(torch.empty(..., pin_memory=True), or pass pin_memory=False)")
     return buf
 
+
+
+def _writable_spans() -> list[tuple[int, int, bool]] | None:
+    """This process's mappings as (start, end, writable), from Linux's /proc/self/maps;
+    None where the system does not say (then nothing is refused for it)."""
+    try:
+        with open("/proc/self/maps") as f:
+            text = f.read()
+    except OSError:
+        return None
+    spans = []
+    for line in text.splitlines():
+        fields = line.split(maxsplit=2)
+        if len(fields) < 2 or "-" not in fields[0]:
+            continue
+        lo, hi = fields[0].split("-", 1)
+        spans.append((int(lo, 16), int(hi, 16), fields[1][1:2] == "w"))
+    return spans
+
+
+def _check_writable(pools: Sequence[_Pool]) -> None:
+    """Every byte of a host-memory pool lies in a writable mapping.
+
+    A load writes the GPU pool and a store the CPU tier: memory mapped read-only (a
+    tensor made with ``torch.frombuffer`` over a read-only ``mmap`` or a ``bytes``) passed
+    every layout check and then killed the process with a segfault in the copy, or
+    changed an immutable ``bytes``. Read once per registration; device memory is not the
+    host's to map, so only CPU pools are looked at.
+    """
+    host = [p for p in pools if p.rows and p.tensor.device.type == "cpu"]
+    if not host:
+        return
+    spans = _writable_spans()
+    if spans is None:
+        return
+    spans.sort()
+    for p in host:
+        start, end = p.base, p.base + p.extent
+        covered = start
+        for lo, hi, writable in spans:
+            if hi <= covered or lo >= end:
+                continue
+            if lo > covered or not writable:
+                break
+            covered = hi
+            if covered >= end:
+                break
+        if covered < end:
+            raise _bad(p.where, f"has bytes at {covered:#x} that are not writable memory of "
+                                "this process (read-only, e.g. torch.frombuffer over bytes "
+                                "or a read-only mmap); kvcore writes into every registered "
+                                "pool: pass a writable tensor", value=covered, bound=end)
+
+
+def check_pools(pools: Sequence[_Pool]) -> None:
+    """What every registration asks of its pools together: no shared byte, all writable."""
+    _check_disjoint(pools)
+    _check_writable(pools)

@@ -177,22 +177,32 @@ def _group_table(kind: JobKind, grp: _GroupIds, bpc: int,
 
 
 def check_plan(plan: object) -> TransferPlan:
-    """The plan's own types (TransferArgumentError): what submit() refuses to queue."""
+    """The plan's own types (TransferArgumentError): what submit() refuses to queue.
+
+    Answers a plain ``TransferPlan`` of the fields read once, and the caller keeps that
+    copy: a subclass whose ``job_id`` property answered differently at each read left a
+    job in flight for good (submit registered one id, the worker reported another), and a
+    groups list whose ``__len__`` disagreed with its items got past the count check."""
     if not isinstance(plan, TransferPlan):
         raise _bad("plan", f"must be a TransferPlan, not {type(plan).__name__}")
-    missing = [f for f in ("job_id", "kind", "groups") if not hasattr(plan, f)]
+    missing = [f for f in ("job_id", "kind", "request_id", "groups")
+               if not hasattr(plan, f)]
     if missing:  # made without its constructor (object.__new__, a bad unpickle)
         raise _bad("plan", f"has no {', '.join(missing)}; build it with TransferPlan(...)")
     job = plan.job_id
     if type(job) is not int or not 0 <= job <= MAX_JOB_ID:
         raise _bad("plan.job_id", f"{short_repr(job)} must be an int in 0..{MAX_JOB_ID}")
-    if not isinstance(plan.kind, JobKind):
-        raise TransferArgumentError("plan.kind", f"{short_repr(plan.kind)} must be a "
+    kind, groups, request_id = plan.kind, plan.groups, plan.request_id
+    if not isinstance(kind, JobKind):
+        raise TransferArgumentError("plan.kind", f"{short_repr(kind)} must be a "
                                     "JobKind (STORE or LOAD)", job_id=job)
-    if not isinstance(plan.groups, (tuple, list)):
-        raise TransferArgumentError("plan.groups", f"{short_repr(plan.groups)} must be a "
+    if not isinstance(groups, (tuple, list)):
+        raise TransferArgumentError("plan.groups", f"{short_repr(groups)} must be a "
                                     "tuple of GroupTransfer", job_id=job)
-    return plan
+    if type(plan) is TransferPlan and type(groups) is tuple:
+        return plan
+    return TransferPlan(job, kind, request_id, cast("tuple[GroupTransfer, ...]",
+                                                    own_items(groups)))
 
 
 def prepare_plan(plan: object, cfg: OffloadConfig, registered: Sequence[Sequence[_Registered]],

@@ -17,7 +17,7 @@ from kvcore.manager._capacity import group_capacity
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.types import OffloadConfig
 
-from ._memory import _bad, _check_buffer, _check_disjoint, _Pool, _pool_of, _Registered
+from ._memory import _bad, _check_buffer, _Pool, _pool_of, _Registered, check_pools
 
 MAX_QUEUED_JOBS = 4096  # submit() blocks beyond this; the worker always drains the queue
 # Jobs submitted and not yet handed out by poll() (in flight, queued, or finished with the
@@ -118,7 +118,7 @@ def gpu_pools(cfg: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
                                     f"{cfg.num_gpu_blocks}; dim 0 must be the block id",
                            value=p.rows, bound=cfg.num_gpu_blocks)
         out.append(pools)
-    _check_disjoint([p for pools in out for p in pools])
+    check_pools([p for pools in out for p in pools])
     return out
 
 
@@ -190,5 +190,5 @@ def register(cfg: OffloadConfig, device: torch.device, pools: list[list[_Pool]],
             regs.append(_Registered(p.tensor, cpu, p.row_bytes, len(regions) - 2,
                                     len(regions) - 1, p, cpu_pool))
         groups.append(regs)
-    _check_disjoint([p for group_pools in pools for p in group_pools] + cpu_pools)
+    check_pools([p for group_pools in pools for p in group_pools] + cpu_pools)
     return groups, regions
