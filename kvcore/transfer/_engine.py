@@ -11,10 +11,12 @@ no longer read.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -107,10 +109,14 @@ class TransferEngine:
         self._done: dict[int, TransferResult] = {}
         self._closed = False
         self._released = False  # the worker stopped and the CUDA handles are freed
-        self._queue: queue.Queue[tuple[TransferPlan, object] | None] = queue.Queue(
-            maxsize=max_queued_jobs)
-        self._thread = threading.Thread(target=self._worker, name="kvcore-transfer",
-                                        daemon=True)
+        self._queue: _Jobs = queue.Queue(maxsize=max_queued_jobs)
+        # The thread holds the engine weakly (see _worker): an engine dropped without
+        # close() stops its worker and frees its tier and handles here.
+        self._thread = threading.Thread(target=TransferEngine._worker,
+                                        args=(weakref.ref(self), self._queue),
+                                        name="kvcore-transfer", daemon=True)
+        self._finalizer = weakref.finalize(self, _dropped, self._queue, self._cuda,
+                                           getattr(self, "_events", ()))
         self._thread.start()
 
     # -- registration --------------------------------------------------------------------
@@ -300,31 +306,45 @@ class TransferEngine:
         """Wait for every job in flight (before freeing or resizing a registered pool)."""
         return self.wait(self.in_flight(), _timeout("drain", timeout))
 
-    def _worker(self) -> None:
-        flight: deque[_Flight] = deque()  # started, not reported, in submission order
-        try:
-            while (item := self._next(flight)) is not None:
-                flight.append(self._execute(*item))
-                self._retire(flight, block=len(flight) >= MAX_IN_FLIGHT)
-            while flight:
-                self._retire(flight, block=True)
-        finally:  # never leave a waiter hanging, even if the worker dies
-            with self._cond:
-                for job_id in sorted(self._pending):
-                    self._done[job_id] = TransferResult(job_id, False, 0, 0.0,
-                                                        "transfer worker stopped")
-                self._pending.clear()
-                self._cond.notify_all()
-
-    def _next(self, flight: deque[_Flight]) -> tuple[TransferPlan, object] | None:
-        """The next queued job; while jobs are on the GPU, wait for the oldest instead of
+    @staticmethod
+    def _worker(ref: weakref.ref[TransferEngine], jobs: _Jobs) -> None:
+        """The worker thread's loop. It holds its engine only while it has work (a job to
+        start, or jobs on the stream): idle, it waits on the queue with a weak reference,
+        so an engine dropped without ``close()`` is freed, and its finalizer's stop mark
+        ends this thread. While jobs are on the stream it waits for the oldest instead of
         blocking on an empty queue, so a finished copy is reported without a new submit."""
-        while flight:
-            try:
-                return self._queue.get_nowait()
-            except queue.Empty:
-                self._retire(flight, block=True)
-        return self._queue.get()
+        flight: deque[_Flight] = deque()  # started, not reported, in submission order
+        engine: TransferEngine | None = None  # set whenever flight is not empty
+        try:
+            while True:
+                while flight:
+                    try:
+                        item = jobs.get_nowait()
+                        break
+                    except queue.Empty:
+                        cast("TransferEngine", engine)._retire(flight, block=True)
+                else:
+                    engine = None  # idle: nothing of the engine is held while waiting
+                    item = jobs.get()
+                    engine = ref()
+                if item is None or engine is None:
+                    break
+                flight.append(engine._execute(*item))
+                engine._retire(flight, block=len(flight) >= MAX_IN_FLIGHT)
+            while flight:
+                cast("TransferEngine", engine)._retire(flight, block=True)
+        finally:  # never leave a waiter hanging, even if the worker dies
+            engine = engine or ref()
+            if engine is not None:
+                engine._fail_pending()
+
+    def _fail_pending(self) -> None:
+        with self._cond:
+            for job_id in sorted(self._pending):
+                self._done[job_id] = TransferResult(job_id, False, 0, 0.0,
+                                                    "transfer worker stopped")
+            self._pending.clear()
+            self._cond.notify_all()
 
     def _retire(self, flight: deque[_Flight], block: bool) -> None:
         """Report the finished jobs at the head of ``flight``, in order; with ``block``,
@@ -428,6 +448,7 @@ class TransferEngine:
             if self._released:
                 return
             self._released = True
+        self._finalizer.detach()  # released here, not again when the engine is freed
         if self._cuda is not None:
             for event in self._events:
                 self._cuda.event_destroy(event)
@@ -495,6 +516,24 @@ class TransferEngine:
         if not 0 <= slot < cpu.shape[0]:
             raise _bad("slot", f"{short_repr(slot)} is outside 0..{cpu.shape[0] - 1}")
         return bytes(cpu[slot].tolist())
+
+
+_Jobs = queue.Queue[tuple[TransferPlan, object] | None]
+
+
+def _dropped(jobs: _Jobs, copier: _cuda.CudaCopier | SimulatedStream | None,
+             events: Sequence[object]) -> None:
+    """An engine freed without ``close()``: stop its worker and release its handles.
+
+    Runs when nothing holds the engine, so its worker is idle (it holds the engine while
+    a job is queued for it or on the stream) and uses no handle. A full queue takes no
+    stop mark; the worker then finds the engine gone at its next job and stops."""
+    with contextlib.suppress(queue.Full):
+        jobs.put_nowait(None)
+    if copier is not None:
+        for event in events:
+            copier.event_destroy(event)  # type: ignore[arg-type]
+        copier.close()
 
 
 def _timeout(where: str, timeout: object) -> float | None:

@@ -126,3 +126,34 @@ def test_reading_a_freed_tier_is_a_storage_error() -> None:
         assert info.value.group == 0
     finally:
         e.close()
+
+
+def test_an_engine_dropped_without_close_is_freed() -> None:
+    """Before: the worker thread's target was the engine's bound method, so an engine
+    dropped without close() lived (with its CPU tier, pinned on CUDA, and its thread)
+    until the process ended: one tier leaked per rebuild. Now the thread holds it weakly
+    while idle and a finalizer stops it. An engine with jobs done but unpolled, and one
+    on the stand-in stream (events to release), are freed alike."""
+    import gc
+    import threading
+    import weakref
+
+    def live_workers() -> int:
+        return sum(t.name == "kvcore-transfer" for t in threading.enumerate())
+
+    before = live_workers()
+    refs = []
+    for i in range(6):
+        e = TransferEngine(CFG, [[torch.zeros(8, 16, dtype=torch.uint8)]],
+                           simulate_stream=i if i % 2 else None)
+        e.submit(store(1))
+        e.wait([1], timeout=30)
+        refs.append(weakref.ref(e))
+        del e
+    gc.collect()
+    assert [r() for r in refs] == [None] * 6
+    for _ in range(200):  # the stop marks are taken by the threads on their own time
+        if live_workers() == before:
+            break
+        __import__("time").sleep(0.05)
+    assert live_workers() == before

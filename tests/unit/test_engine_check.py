@@ -260,8 +260,8 @@ def test_close_that_drops_jobs_on_the_stream_is_caught(monkeypatch: pytest.Monke
     finishing them as documented. The stage closes with a burst in flight (X2)."""
     from refinement.test_refinement_mutants import mutated
     monkeypatch.setattr(_engine.TransferEngine, "_worker", mutated(
-        _engine.TransferEngine._worker, "        while flight:\n",
-        "        while False:\n"))
+        _engine.TransferEngine._worker, "        while flight:\n            cast(",
+        "        while False:\n            cast("))
     assert "transfer worker stopped" in caught(
         "X2", lambda: _enginecheck.run_transfer_engine(preset(DEFAULT),
                                                        _enginecheck.ENGINE_CASES, {}))
@@ -566,7 +566,8 @@ def _transfer_stage() -> None:
 HELD_JOB_MUTANTS = [
     # submit's in-flight id test removed: a second job under a live id is queued and
     # the first result settles both.
-    pytest.param(_engine.TransferEngine, "submit", "if plan.job_id in self._pending:",
+    pytest.param(_engine.TransferEngine, "submit",
+                 "if plan.job_id in self._pending or plan.job_id in self._done:",
                  "if False:", "A1", "again while it is in flight", False, id="dup-id"),
     # wait answers when its limit runs out instead of raising TimeoutError: the fence
     # a wait stands for would pass with the store's bytes still moving.
@@ -603,8 +604,9 @@ HELD_JOB_MUTANTS = [
     # the worker's last words are gone (its finally reports no job): when it dies with
     # a job in flight the job leaves the jobs in flight with no result, so a wait
     # answers as if it had finished and the scheduler never hears of it.
-    pytest.param(_engine.TransferEngine, "_worker", "for job_id in sorted(self._pending):",
-                 "for job_id in []:", "X2", "when its worker died", True, id="worker-dies"),
+    pytest.param(_engine.TransferEngine, "_fail_pending",
+                 "for job_id in sorted(self._pending):", "for job_id in []:", "X2",
+                 "when its worker died", True, id="worker-dies"),
 ]
 
 
