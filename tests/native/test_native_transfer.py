@@ -626,7 +626,8 @@ def test_a_plan_built_without_its_constructor_and_a_closed_engine_are_named() ->
     engine, _ = make_engine((1,), layers=1)
     hollow = object.__new__(TransferPlan)
     for call in (engine.validate, engine.submit):
-        with pytest.raises(TransferArgumentError, match=r"^plan: has no job_id, kind, request_id, groups"):
+        with pytest.raises(TransferArgumentError,
+                           match=r"^plan: has no job_id, kind, request_id, groups"):
             call(hollow)
     with pytest.raises(TransferArgumentError, match=r"^slot: 1.0 is a float, not an int"):
         engine.read_cpu_chunk(0, 0, 1.0)  # type: ignore[arg-type]
