@@ -117,6 +117,7 @@ class TransferEngine:
                                         name="kvcore-transfer", daemon=True)
         self._finalizer = weakref.finalize(self, _dropped, self._queue, self._cuda,
                                            getattr(self, "_events", ()))
+        self._finalizer.atexit = False
         self._thread.start()
 
     # -- registration --------------------------------------------------------------------
@@ -273,7 +274,9 @@ class TransferEngine:
         ready: object = None
         if self.device.type == "cuda":  # the copy must follow work already queued on the GPU
             ready = torch.cuda.current_stream(self.device).record_event()
-        self._queue.put((plan, ready))
+        # The queued job holds its engine: dropped with jobs queued, it lives until the
+        # worker has taken them (and runs them, as close() would).
+        self._queue.put((plan, ready, self))
 
     def poll(self) -> list[TransferResult]:
         """Finished jobs since the last poll, in completion order (each returned once)."""
@@ -308,11 +311,12 @@ class TransferEngine:
 
     @staticmethod
     def _worker(ref: weakref.ref[TransferEngine], jobs: _Jobs) -> None:
-        """The worker thread's loop. It holds its engine only while it has work (a job to
-        start, or jobs on the stream): idle, it waits on the queue with a weak reference,
-        so an engine dropped without ``close()`` is freed, and its finalizer's stop mark
-        ends this thread. While jobs are on the stream it waits for the oldest instead of
-        blocking on an empty queue, so a finished copy is reported without a new submit."""
+        """The worker thread's loop. It holds its engine only while it has work: a queued
+        job holds its engine, and jobs on the stream are held here. Idle, it waits on the
+        queue with a weak reference, so an engine dropped without ``close()`` is freed, and
+        its finalizer's stop mark ends this thread. While jobs are on the stream it waits
+        for the oldest instead of blocking on an empty queue, so a finished copy is
+        reported without a new submit."""
         flight: deque[_Flight] = deque()  # started, not reported, in submission order
         engine: TransferEngine | None = None  # set whenever flight is not empty
         try:
@@ -324,12 +328,12 @@ class TransferEngine:
                     except queue.Empty:
                         cast("TransferEngine", engine)._retire(flight, block=True)
                 else:
-                    engine = None  # idle: nothing of the engine is held while waiting
+                    engine = item = None  # idle: nothing of the engine is held while waiting
                     item = jobs.get()
                     engine = ref()
                 if item is None or engine is None:
                     break
-                flight.append(engine._execute(*item))
+                flight.append(engine._execute(item[0], item[1]))
                 engine._retire(flight, block=len(flight) >= MAX_IN_FLIGHT)
             while flight:
                 cast("TransferEngine", engine)._retire(flight, block=True)
@@ -518,17 +522,19 @@ class TransferEngine:
         return bytes(cpu[slot].tolist())
 
 
-_Jobs = queue.Queue[tuple[TransferPlan, object] | None]
+# A queued job: its plan, the CUDA event it follows, and its engine (kept alive by it).
+_Jobs = queue.Queue["tuple[TransferPlan, object, TransferEngine] | None"]
 
 
 def _dropped(jobs: _Jobs, copier: _cuda.CudaCopier | SimulatedStream | None,
              events: Sequence[object]) -> None:
     """An engine freed without ``close()``: stop its worker and release its handles.
 
-    Runs when nothing holds the engine, so its worker is idle (it holds the engine while
-    a job is queued for it or on the stream) and uses no handle. A full queue takes no
-    stop mark; the worker then finds the engine gone at its next job and stops."""
-    with contextlib.suppress(queue.Full):
+    Runs when nothing holds the engine, so no job is queued (each holds its engine) or
+    on the stream (the worker holds the engine then), and the worker uses no handle. Not
+    at interpreter exit (``atexit`` off): a live engine's worker may still be copying
+    then, and its own ``close()`` may still come."""
+    with contextlib.suppress(queue.Full):  # empty by now: a queued job holds its engine
         jobs.put_nowait(None)
     if copier is not None:
         for event in events:

@@ -8,6 +8,7 @@ job, never a read of freed memory.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -216,31 +217,32 @@ def _check_buffer(buf: object, where: str, nbytes: int, pinned: bool) -> torch.T
 
 
 def _writable_spans() -> list[tuple[int, int, bool]] | None:
-    """This process's mappings as (start, end, writable), from Linux's /proc/self/maps;
-    None where the system does not say (then nothing is refused for it)."""
+    """This process's mappings as (start, end, writable), sorted, from Linux's
+    /proc/self/maps; None where the system does not say (no file, an empty one, a line
+    it cannot read): then nothing is refused for it."""
     try:
         with open("/proc/self/maps") as f:
             text = f.read()
-    except OSError:
+        spans = []
+        for line in text.splitlines():
+            fields = line.split(maxsplit=2)
+            lo, hi = fields[0].split("-", 1)
+            spans.append((int(lo, 16), int(hi, 16), fields[1][1:2] == "w"))
+    except (OSError, ValueError, IndexError):
         return None
-    spans = []
-    for line in text.splitlines():
-        fields = line.split(maxsplit=2)
-        if len(fields) < 2 or "-" not in fields[0]:
-            continue
-        lo, hi = fields[0].split("-", 1)
-        spans.append((int(lo, 16), int(hi, 16), fields[1][1:2] == "w"))
-    return spans
+    return sorted(spans) or None
 
 
 def _check_writable(pools: Sequence[_Pool]) -> None:
     """Every byte of a host-memory pool lies in a writable mapping.
 
-    A load writes the GPU pool and a store the CPU tier: memory mapped read-only (a
-    tensor made with ``torch.frombuffer`` over a read-only ``mmap`` or a ``bytes``) passed
-    every layout check and then killed the process with a segfault in the copy, or
-    changed an immutable ``bytes``. Read once per registration; device memory is not the
-    host's to map, so only CPU pools are looked at.
+    A load writes the GPU pool and a store the CPU tier: a tensor over memory mapped
+    read-only (``torch.frombuffer`` over a read-only ``mmap``) passed every layout check
+    and then killed the process with a segfault in the copy. The mappings are read once
+    per registration and each pool is found by bisection. Not covered: a tensor over an
+    immutable Python object (``torch.frombuffer(b"...")``) lies in the writable heap, and
+    torch keeps no read-only flag, so pools must be writable tensors (docs/engine.md).
+    Device memory is not the host's to map, so only CPU pools are looked at.
     """
     host = [p for p in pools if p.rows and p.tensor.device.type == "cpu"]
     if not host:
@@ -248,23 +250,22 @@ def _check_writable(pools: Sequence[_Pool]) -> None:
     spans = _writable_spans()
     if spans is None:
         return
-    spans.sort()
+    starts = [lo for lo, _, _ in spans]
     for p in host:
-        start, end = p.base, p.base + p.extent
-        covered = start
-        for lo, hi, writable in spans:
-            if hi <= covered or lo >= end:
-                continue
+        end = p.base + p.extent
+        covered = p.base
+        at = max(bisect.bisect_right(starts, covered) - 1, 0)
+        while covered < end and at < len(spans):
+            lo, hi, writable = spans[at]
             if lo > covered or not writable:
                 break
-            covered = hi
-            if covered >= end:
-                break
+            covered = max(covered, hi)
+            at += 1
         if covered < end:
             raise _bad(p.where, f"has bytes at {covered:#x} that are not writable memory of "
-                                "this process (read-only, e.g. torch.frombuffer over bytes "
-                                "or a read-only mmap); kvcore writes into every registered "
-                                "pool: pass a writable tensor", value=covered, bound=end)
+                                "this process (e.g. torch.frombuffer over a read-only "
+                                "mmap); kvcore writes into every registered pool: pass a "
+                                "writable tensor", value=covered, bound=end)
 
 
 def check_pools(pools: Sequence[_Pool]) -> None:

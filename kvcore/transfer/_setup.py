@@ -17,7 +17,15 @@ from kvcore.manager._capacity import group_capacity
 from kvcore.spec.errors import ConfigError
 from kvcore.spec.types import OffloadConfig
 
-from ._memory import _bad, _check_buffer, _Pool, _pool_of, _Registered, check_pools
+from ._memory import (
+    _bad,
+    _check_buffer,
+    _check_disjoint,
+    _Pool,
+    _pool_of,
+    _Registered,
+    check_pools,
+)
 
 MAX_QUEUED_JOBS = 4096  # submit() blocks beyond this; the worker always drains the queue
 # Jobs submitted and not yet handed out by poll() (in flight, queued, or finished with the
@@ -118,7 +126,7 @@ def gpu_pools(cfg: OffloadConfig, gpu_tensors: Sequence[Sequence[torch.Tensor]],
                                     f"{cfg.num_gpu_blocks}; dim 0 must be the block id",
                            value=p.rows, bound=cfg.num_gpu_blocks)
         out.append(pools)
-    check_pools([p for pools in out for p in pools])
+    _check_disjoint([p for pools in out for p in pools])  # writable: at register()
     return out
 
 

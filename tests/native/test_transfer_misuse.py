@@ -135,25 +135,71 @@ def test_an_engine_dropped_without_close_is_freed() -> None:
     while idle and a finalizer stops it. An engine with jobs done but unpolled, and one
     on the stand-in stream (events to release), are freed alike."""
     import gc
-    import threading
     import weakref
 
-    def live_workers() -> int:
-        return sum(t.name == "kvcore-transfer" for t in threading.enumerate())
-
-    before = live_workers()
-    refs = []
+    refs, threads = [], []
     for i in range(6):
         e = TransferEngine(CFG, [[torch.zeros(8, 16, dtype=torch.uint8)]],
                            simulate_stream=i if i % 2 else None)
         e.submit(store(1))
         e.wait([1], timeout=30)
         refs.append(weakref.ref(e))
+        threads.append(e._thread)
         del e
     gc.collect()
     assert [r() for r in refs] == [None] * 6
-    for _ in range(200):  # the stop marks are taken by the threads on their own time
-        if live_workers() == before:
-            break
-        __import__("time").sleep(0.05)
-    assert live_workers() == before
+    for thread in threads:  # each stops once it takes its finalizer's stop mark
+        thread.join(timeout=60)  # a hang guard, not a time budget
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_an_engine_dropped_with_jobs_queued_runs_them_first() -> None:
+    """The engine stays alive while a job it queued is waiting for the worker (each job
+    holds its engine): dropped right after submit, its loads still land. The first
+    version of the weak worker dropped them (the worker found the engine gone)."""
+    import gc
+
+    gpu = torch.zeros(8, 16, dtype=torch.uint8)
+    tier = torch.arange(4 * 32, dtype=torch.uint8) % 251
+    e = TransferEngine(CFG, [[gpu]], cpu_buffer=tier, simulate_stream=3)
+    thread = e._thread
+    for job, slot, ids in ((1, 0, (1, 2)), (2, 1, (3, 4))):
+        e.submit(TransferPlan(job, JobKind.LOAD, "r", (GroupTransfer(ids, 0, (slot,)),)))
+    del e
+    gc.collect()
+    thread.join(timeout=60)  # a hang guard, not a time budget
+    assert not thread.is_alive()
+    assert torch.equal(gpu[1:5].reshape(-1), tier[:64])
+
+
+def test_an_engine_closed_at_exit_is_released_once() -> None:
+    """An engine still alive at interpreter exit is the engine's to close (an atexit
+    handler, a ``with`` block unwinding): its finalizer must not release the stream's
+    events first. It did (``weakref.finalize`` runs at exit by default), and the
+    handler's ``close()`` then destroyed events already destroyed (StreamMisuse here, a
+    second cudaEventDestroy on CUDA)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, sys\n"
+        "holder = []\n"
+        "def close_at_exit():\n"
+        "    holder[0].close(timeout=30)\n"
+        "    print('closed at exit', flush=True)\n"
+        "atexit.register(close_at_exit)\n"
+        "import torch\n"
+        "from kvcore.spec.plans import GroupTransfer, JobKind, TransferPlan\n"
+        "from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig\n"
+        "from kvcore.transfer import TransferEngine\n"
+        "cfg = OffloadConfig((GroupSpec(GroupKind.FULL, 4, 2),), hash_block_tokens=4,\n"
+        "                    num_gpu_blocks=8, num_cpu_blocks=4)\n"
+        "e = TransferEngine(cfg, [[torch.zeros(8, 16, dtype=torch.uint8)]],\n"
+        "                   simulate_stream=3)\n"
+        "e.submit(TransferPlan(1, JobKind.STORE, 'r', (GroupTransfer((1, 2), 0, (0,)),)))\n"
+        "e.wait([1], timeout=30)\n"
+        "holder.append(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0 and "closed at exit" in proc.stdout, proc.stderr[-2000:]
+    assert "StreamMisuse" not in proc.stderr, proc.stderr[-2000:]
