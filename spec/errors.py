@@ -10,6 +10,7 @@ carries its facts as fields so that ``--json`` output never parses message text.
 
 from __future__ import annotations
 
+import itertools
 import reprlib
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,11 @@ class KVCoreError(Exception):
     """
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+        # A field holding the caller's bad value (a generator, a lock, a container of
+        # millions of keys) travels as its short repr: it may not pickle, and its size is
+        # the caller's. kvcore's own records (``violations``) travel as they are.
+        state = {k: v if k == "violations" else _portable(v) for k, v in self.__dict__.items()}
+        return (_rebuild, (type(self), self.args, state))
 
 
 class ConfigError(KVCoreError, ValueError):
@@ -144,11 +149,27 @@ class BlockTableError(KVCoreError, ValueError):
     """The engine's block table cannot hold what it claims (too short, or a null inside)."""
 
 
-# Containers are shown by their first items (reprlib): a wrong-typed container of
-# millions of keys is refused in the time of a few, not of its whole repr.
+# Containers are shown by their first items: a wrong-typed container of millions of keys
+# is refused in the time of a few, not of its whole repr (nor of sorting it, as reprlib
+# does a set's).
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = _REPR.maxlong = 200
-_CONTAINERS = (list, tuple, set, frozenset, dict)
+_FIRST = 6
+
+
+def _container_repr(value: list[Any] | tuple[Any, ...] | set[Any] | frozenset[Any]
+                    | dict[Any, Any]) -> str:
+    if type(value) in (list, tuple):
+        return _REPR.repr(value)  # reprlib reads the first items of these
+    if isinstance(value, dict):
+        pairs = list(itertools.islice(value.items(), _FIRST + 1))
+        shown = [f"{_REPR.repr(k)}: {_REPR.repr(v)}" for k, v in pairs[:_FIRST]]
+        more = ", ..." if len(pairs) > _FIRST else ""
+    else:
+        first = list(itertools.islice(value, _FIRST + 1))
+        shown = [_REPR.repr(x) for x in first[:_FIRST]]
+        more = ", ..." if len(first) > _FIRST else ""
+    return f"{type(value).__name__}({', '.join(shown)}{more})"
 
 
 def short_repr(value: object, limit: int = 60) -> str:
@@ -156,10 +177,25 @@ def short_repr(value: object, limit: int = 60) -> str:
     ``limit - 4`` and ``...>`` so it reads as cut; an object whose ``__repr__`` raises
     is named by its type instead of replacing the kvcore error with its own."""
     try:
-        text = _REPR.repr(value) if isinstance(value, _CONTAINERS) else repr(value)
+        text = _container_repr(value) if isinstance(value, (list, tuple, set, frozenset, dict)) \
+            else repr(value)
     except Exception:  # any failure of a caller's __repr__
         text = f"<{type(value).__name__} object>"
     return text if len(text) <= limit else text[:limit - 4] + "...>"
+
+
+def _portable(value: object) -> object:
+    """A field as it crosses a process: a plain value (ints, short strings and bytes, and
+    small tuples and lists of them) as it is, anything else as its short repr."""
+    if value is None or type(value) in (int, float, bool):
+        return value
+    if type(value) in (str, bytes):
+        return value if len(value) <= 4096 else short_repr(value)  # type: ignore[arg-type]
+    if type(value) in (tuple, list) and len(value) <= 64:  # type: ignore[arg-type]
+        items = [_portable(v) for v in value]  # type: ignore[attr-defined]
+        if all(a is b for a, b in zip(items, value, strict=True)):  # type: ignore[call-overload]
+            return value
+    return short_repr(value)
 
 
 def type_name(value: object) -> str:

@@ -195,3 +195,26 @@ def test_a_huge_or_hostile_value_is_named_cheaply() -> None:
     with pytest.raises(errors.ArgumentTypeError) as info:
         kvcore.CPUOffloadManager(4).prepare_store(Hostile())  # type: ignore[arg-type]
     assert "Hostile" in str(info.value)
+
+
+def test_an_error_holding_an_unpicklable_value_still_pickles() -> None:
+    """The argument errors carry the caller's bad value, which may be a generator or a
+    lock (it failed to pickle, so the worker's error became a pickling TypeError) or a
+    container of millions of items (copied whole into the pickle). Such a field travels
+    as its short repr; plain fields as they are."""
+    import pickle
+    import threading
+
+    gen = (i for i in range(3))
+    for error in (errors.ArgumentTypeError("lookup", "keys", gen, "a list", "fix"),
+                  errors.InvalidKeyError(threading.Lock()),
+                  errors.ArgumentTypeError("lookup", "keys", set(range(500_000)), "a list",
+                                           "fix")):
+        data = pickle.dumps(error)
+        assert len(data) < 4096
+        back = pickle.loads(data)
+        assert type(back) is type(error) and str(back) == str(error)
+        field = back.value if hasattr(back, "value") else back.key
+        assert isinstance(field, str) and len(field) <= 60
+    plain = errors.KVCopyError("bad", code=2, value=7, bound=4)
+    assert pickle.loads(pickle.dumps(plain)).__dict__ == plain.__dict__
