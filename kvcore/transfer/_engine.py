@@ -79,6 +79,9 @@ class TransferEngine:
                  max_queued_jobs: int = MAX_QUEUED_JOBS,
                  cpu_buffer: torch.Tensor | Sequence[torch.Tensor] | None = None,
                  simulate_stream: int | None = None, simulate_faults: float = 0.0) -> None:
+        gpu_tensors = cast("Sequence[Sequence[torch.Tensor]]", _setup.snapshot(gpu_tensors))
+        if not isinstance(cpu_buffer, torch.Tensor):
+            cpu_buffer = cast("Sequence[torch.Tensor] | None", _setup.snapshot(cpu_buffer))
         _check_options(config, gpu_tensors, pin_memory, cuda_method, max_queued_jobs,
                        simulate_stream, simulate_faults)
         self.config = config
@@ -133,6 +136,7 @@ class TransferEngine:
         engine is unchanged and keeps the old registration.
         """
         timeout = _timeout("rebind_gpu_tensors", timeout)
+        gpu_tensors = cast("Sequence[Sequence[torch.Tensor]]", _setup.snapshot(gpu_tensors))
         if isinstance(gpu_tensors, torch.Tensor) or not isinstance(gpu_tensors, (list, tuple)) \
                 or len(gpu_tensors) != len(self._groups):
             raise _bad("gpu_tensors", f"must be a list of {len(self._groups)} lists of tensors, "

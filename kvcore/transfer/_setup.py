@@ -15,6 +15,7 @@ from kvcore._cuda import cuda_available, cuda_unavailable_reason
 from kvcore._native import Region
 from kvcore.manager._capacity import group_capacity
 from kvcore.spec.errors import ConfigError
+from kvcore.spec.hooks import own_items
 from kvcore.spec.types import OffloadConfig
 
 from ._memory import (
@@ -45,6 +46,17 @@ def cpu_capacity(config: OffloadConfig, group: int) -> int:
     sizes its pools with, so the engine and the manager cannot disagree about a pool.
     """
     return group_capacity(config, group)
+
+
+def snapshot(lists: object) -> object:
+    """A list of lists (``gpu_tensors``, a ``cpu_buffer`` list) read once, as plain tuples,
+    and used from then on: a list subclass whose ``__len__`` disagreed with its items got
+    past the count checks and failed later with a bare IndexError. Anything else is
+    returned as it is, for the checks to refuse."""
+    if isinstance(lists, torch.Tensor) or not isinstance(lists, (list, tuple)):
+        return lists
+    return tuple(own_items(x) if isinstance(x, (list, tuple)) else x  # type: ignore[arg-type]
+                 for x in own_items(lists))  # type: ignore[arg-type]
 
 
 def _check_options(config: object, gpu_tensors: object, pin_memory: object,

@@ -203,3 +203,24 @@ def test_an_engine_closed_at_exit_is_released_once() -> None:
                           timeout=300, check=False)
     assert proc.returncode == 0 and "closed at exit" in proc.stdout, proc.stderr[-2000:]
     assert "StreamMisuse" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_tensor_lists_are_read_once() -> None:
+    """Before: a list subclass whose __len__ disagreed with its items passed the group
+    count check and failed later with a bare IndexError (constructor) or ValueError
+    (rebind_gpu_tensors)."""
+
+    class LyingLen(list[Any]):
+        def __len__(self) -> int:
+            return 1
+
+    g, g2 = (torch.zeros(8, 16, dtype=torch.uint8) for _ in range(2))
+    with pytest.raises(TransferArgumentError, match="has 2 groups"):
+        TransferEngine(CFG, LyingLen([[g], [g2]]))
+    e = TransferEngine(CFG, [[g]])
+    try:
+        with pytest.raises(TransferArgumentError, match="gpu_tensors"):
+            e.rebind_gpu_tensors(LyingLen([[g2], [torch.zeros(8, 16, dtype=torch.uint8)]]))
+        e.rebind_gpu_tensors(LyingLen([[g2]]))  # one group, as registered: accepted
+    finally:
+        e.close()
