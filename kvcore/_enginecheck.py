@@ -87,10 +87,17 @@ def _layout(config: OffloadConfig, widen: int = 1) -> OffloadConfig:
     every group as distinct GPU blocks, and CPU_SLOTS slots. ``widen`` multiplies every
     group's blocks per chunk: with single-block chunks a store never starts mid-chunk, so
     the sub-block mapping (and every index derived from it) would go untested."""
-    groups = tuple(replace(g, blocks_per_chunk=g.blocks_per_chunk * widen)
-                   for g in config.groups)
-    top = max(g.blocks_per_chunk for g in groups) * MAX_CHUNKS + 3
-    return replace(config, groups=groups, num_gpu_blocks=top, num_cpu_blocks=CPU_SLOTS)
+    if widen > 1:
+        # A layout whose chunks cannot be widened within the config's limits (16,384-token
+        # chunks: already many blocks each, so stores start mid-chunk anyway) keeps them.
+        try:
+            groups = tuple(replace(g, blocks_per_chunk=g.blocks_per_chunk * widen)
+                           for g in config.groups)
+            return _layout(replace(config, groups=groups))
+        except ConfigError:
+            pass
+    top = max(g.blocks_per_chunk for g in config.groups) * MAX_CHUNKS + 3
+    return replace(config, num_gpu_blocks=top, num_cpu_blocks=CPU_SLOTS)
 
 
 def _tensors(config: OffloadConfig, rng: random.Random) -> list[list[torch.Tensor]]:
@@ -375,10 +382,16 @@ class _Bench:
             self.engine.validate(twin)  # type: ignore[arg-type]
         except Exception as exc:  # judged below: which class, which fields
             raised = exc
-        self.record(f"validate: {name}", _name(raised), isinstance(raised, KVCoreError),
-                     _mismatch(raised, expect))
-        refusal = str(raised) if isinstance(raised, KVCopyError) else None
         in_c = _c_expect(expect)
+        wrong = _mismatch(raised, expect)
+        if not wrong and in_c is not None and isinstance(raised, KVCopyError) and raised.native:
+            # Both lines of defence must hold: the C validator refusing alone means the
+            # Python checks (the first line, which run before any table is built) let the
+            # bad id through.
+            wrong = "came from the C validator alone: kvcore's Python checks let it through"
+        self.record(f"validate: {name}", _name(raised), isinstance(raised, KVCoreError),
+                     wrong)
+        refusal = str(raised) if isinstance(raised, KVCopyError) else None
         if in_c is not None:
             # The second line of defence: the same table with the Python id checks left
             # out. C must refuse it as Python did, and the error must name the group its

@@ -117,9 +117,13 @@ def request_blocks(config: OffloadConfig, opts: SimOptions) -> int:
     """An upper bound on the GPU blocks one simulated request holds at once: a FULL
     group's whole table; a window group's blocks from its reach before the step to the
     step's end, twice over (its floor trails the computed tokens by a step or two). The
-    longest request: the context, a shared prefix's extra tokens (< 32), the new tokens
-    and a few draft tokens."""
-    tokens = opts.context_tokens + 32 + opts.max_new_tokens + 8
+    longest request: the context, a shared prefix's extra tokens (< 32), or an aligned
+    prompt padded up to one whole chunk and a token (``PromptSource.aligned``: past the
+    context where a chunk is longer), then the new tokens and a few draft tokens."""
+    prompt = opts.context_tokens + 32
+    if opts.aligned_prompt_rate:
+        prompt = max(prompt, max(g.tokens_per_chunk for g in config.groups) + 1)
+    tokens = prompt + opts.max_new_tokens + 8
     total = 0
     for g in config.groups:
         whole = cdiv(tokens, g.tokens_per_block)
