@@ -669,3 +669,15 @@ def test_a_stand_in_detector_that_does_not_bite_is_caught(
     monkeypatch.setattr(cls, method, mutated(getattr(cls, method), old, new))
     assert "misuse detectors are off" in caught(
         "X2", lambda: _enginecheck.run_setup(preset(DEFAULT), {}))
+
+
+def test_a_python_id_check_removed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the Python range check of a plan's GPU ids is gone (its loop runs over
+    nothing), so only the C validator refuses a bad id: same fields, but the first line
+    of defence is down. The transfer stage now asks that a bad id be refused by the
+    Python checks (``native`` False) as well as by C alone (held-out seed 77's m21)."""
+    from refinement.test_refinement_mutants import mutated
+    bad = mutated(_plans._check_group_ranges, "for i, b in enumerate(grp.ids):",
+                  "for i, b in []:")
+    monkeypatch.setattr(_plans, "_check_group_ranges", bad)
+    assert "came from the C validator alone" in caught("A1", _transfer_stage)
