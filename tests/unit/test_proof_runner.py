@@ -37,7 +37,9 @@ def test_an_interrupted_run_ends_its_crosshair_children(
     monkeypatch.setattr(_proofs.Children, "start", start)
 
     def interrupt_once_started() -> None:
-        for _ in range(200):  # up to 20 s for the first two children
+        # Until both workers hold a child: a hang guard of 300 s, not a time budget (20 s
+        # ran out beside a mutation run and the whole test suite on two cores).
+        for _ in range(3000):
             if len(started) >= 2:
                 break
             threading.Event().wait(0.1)
@@ -48,7 +50,7 @@ def test_an_interrupted_run_ends_its_crosshair_children(
     with pytest.raises(KeyboardInterrupt):
         _proofs.run_proofs(lambda line: None)
     assert len(started) >= 2
-    for _ in range(50):  # the kill is immediate; reaping may take a moment
+    for _ in range(600):  # the kill is immediate; reaping may take a moment (a guard)
         if not any(_alive(pid) for pid in started):
             break
         threading.Event().wait(0.1)
