@@ -448,6 +448,18 @@ class Hostile:
                 twins.append(("build_step: tables for one group too many", lambda: s.build_step(
                     replace(step, requests=(replace(first, new_block_ids=(*ids, ids[g])),
                                             *reqs[1:])))))
+        # The first request with a FULL group's new id, that id made the null block: the
+        # C pass that vouches for most steps must refuse it as the Python checks do.
+        nulled = next(((k, g) for k, sr in enumerate(reqs) for g in self.full
+                       if len(sr.new_block_ids) > g and sr.new_block_ids[g]), None)
+        if nulled is not None:
+            k, g = nulled
+            sr = reqs[k]
+            twins.append(self._id_twin(
+                "build_step: null in a FULL group's new ids", 0, lambda: s.build_step(
+                    replace(step, requests=(*reqs[:k], replace(sr, new_block_ids=self._tables(
+                        sr.new_block_ids, g, 0)), *reqs[k + 1:]))),
+                f"{sr.request_id}.new_block_ids[{g}]"))
         # The first request with new hashes, each one byte longer than the scheduler's.
         hashed = next((k for k, sr in enumerate(reqs) if sr.new_hashes), None)
         if hashed is not None and self._longer_hashes:

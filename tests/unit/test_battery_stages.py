@@ -817,7 +817,11 @@ def test_the_bad_calls_stage_names_each_refusal_removed(
     monkeypatch.setattr(OffloadScheduler, method,
                         mutated(getattr(OffloadScheduler, method), check, "if False:"))
     result = _check.BatteryResult()
-    _check.run_sims(preset(DEFAULT), 3, result, preset=DEFAULT, hostile=True)
+    # The stage's first seeds, as kvcore check runs them (HOSTILE_SEEDS: 6). A report for
+    # a queued load needs a load queued at report time: the stage's fourth seed meets it
+    # since the twin of a null FULL id joined the draws (the third did before).
+    seeds = 4 if method == "_validate_reports" else 3
+    _check.run_sims(preset(DEFAULT), seeds, result, preset=DEFAULT, hostile=True)
     assert result.failure is not None and result.failure.ids == ["A1"], result.failure
     assert twin in result.failure.message, result.failure.message
 
@@ -906,3 +910,22 @@ def test_a_window_scan_that_stops_moving_is_named_not_a_hang(
     result = _check.BatteryResult()
     _check.run_directed(preset(DEFAULT), result, preset=DEFAULT)
     assert result.failure is not None and result.failure.ids == ["E3"], result.failure
+
+
+def test_the_bad_calls_stage_names_a_null_full_id_the_c_pass_vouched_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant (held-out seed 77's m15): the C pass's FULL flags inverted, so it vouches
+    for a FULL group's null id 0 (and repeats) and applies the step without the Python
+    checks. The bad-calls stage had no build_step twin with a null FULL id; it now
+    names one accepted (A1)."""
+    from refinement.test_refinement_mutants import mutated
+
+    from kvcore.scheduler import scheduler as sched_module
+    bad = mutated(sched_module.OffloadScheduler.__init__,
+                  "tuple(not w for w in self._window_groups))",
+                  "tuple(w for w in self._window_groups))")
+    monkeypatch.setattr(sched_module.OffloadScheduler, "__init__", bad)
+    result = _check.BatteryResult()
+    _check.run_sims(preset(DEFAULT), 2, result, preset=DEFAULT, hostile=True)
+    assert result.failure is not None and result.failure.ids == ["A1"], result.failure
+    assert "null in a FULL group's new ids: accepted" in result.failure.message
