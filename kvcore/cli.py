@@ -46,8 +46,11 @@ EXIT_CODES_HELP = """exit codes:
   130  interrupted (Ctrl-C)
   143  terminated (SIGTERM, as CI sends at its timeout)"""
 # Every parser's --help ends with the exit codes, laid out as written.
+# No abbreviated options: `check --seed 7` ran as `--seeds 7` (simulate's `--seed` is a
+# different thing), and a prefix that is unique today is ambiguous after the next option.
 _HELP: dict[str, Any] = {"epilog": EXIT_CODES_HELP,
-                         "formatter_class": argparse.RawDescriptionHelpFormatter}
+                         "formatter_class": argparse.RawDescriptionHelpFormatter,
+                         "allow_abbrev": False}
 KIND_EXIT = {"invariant": EXIT_FAIL, "integrity": EXIT_FAIL, "canary": EXIT_FAIL,
              "coverage": EXIT_INCONCLUSIVE,
              "liveness": EXIT_LIVENESS, "crash": EXIT_CRASH}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import fields, replace
 
-from kvcore.spec.errors import ConfigError
+from kvcore.spec.errors import ConfigError, short_repr
 from kvcore.spec.types import GroupKind, GroupSpec, OffloadConfig
 
 FULL, SLIDING, MAMBA = GroupKind.FULL, GroupKind.SLIDING, GroupKind.MAMBA
@@ -102,7 +102,7 @@ def preset(name: str, /, **overrides: object) -> OffloadConfig:
 
     ``name`` is positional-only, so the config's own ``name`` field can be overridden."""
     if not isinstance(name, str) or name not in PRESETS:
-        raise ConfigError("preset", f"preset={name!r} is unknown; choose one of "
+        raise ConfigError("preset", f"preset={short_repr(name)} is unknown; choose one of "
                           f"{', '.join(sorted(PRESETS))}")
     unknown = sorted(set(overrides) - {f.name for f in fields(OffloadConfig)})
     if unknown:

@@ -453,13 +453,15 @@ class Hostile:
         nulled = next(((k, g) for k, sr in enumerate(reqs) for g in self.full
                        if len(sr.new_block_ids) > g and sr.new_block_ids[g]), None)
         if nulled is not None:
-            k, g = nulled
-            sr = reqs[k]
+            at, full = nulled
+            holder = reqs[at]
+            # Built now: the names a lambda would read are reused below.
+            null_step = replace(step, requests=(*reqs[:at], replace(
+                holder, new_block_ids=self._tables(holder.new_block_ids, full, 0)),
+                *reqs[at + 1:]))
             twins.append(self._id_twin(
-                "build_step: null in a FULL group's new ids", 0, lambda: s.build_step(
-                    replace(step, requests=(*reqs[:k], replace(sr, new_block_ids=self._tables(
-                        sr.new_block_ids, g, 0)), *reqs[k + 1:]))),
-                f"{sr.request_id}.new_block_ids[{g}]"))
+                "build_step: null in a FULL group's new ids", 0,
+                lambda: s.build_step(null_step), f"{holder.request_id}.new_block_ids[{full}]"))
         # The first request with new hashes, each one byte longer than the scheduler's.
         hashed = next((k for k, sr in enumerate(reqs) if sr.new_hashes), None)
         if hashed is not None and self._longer_hashes:
