@@ -233,6 +233,11 @@ USAGE_ROWS: list[tuple[str, list[str], int, str]] = [
     ("--db not a Redis URL (became a folder)", ["fuzz", "--duration", "5s", "--db",
                                                  "htp://host/0"], EXIT_USAGE,
      "not a Redis URL"),
+    ("an abbreviated option (check --seed ran as --seeds)", ["check", "--seed", "7"],
+     EXIT_USAGE, "unrecognized arguments: --seed 7"),
+    ("a 300,000-character preset name (a 300 KB error)", ["check", "--config",
+                                                          "{tmp}/longpreset.toml"],
+     EXIT_USAGE, "...> is unknown"),
 ]
 
 
@@ -248,6 +253,7 @@ def test_usage_and_config_errors_exit_2_with_one_line_and_nothing_run(
     (tmp_path / "good.toml").write_text('preset = "gemma3"\n')
     (tmp_path / "nl.toml").write_text('"num_gpu_blocks\\nnum_cpu_blocks" = 1\n')
     (tmp_path / "longkey.toml").write_text(f'"{"k" * 200_000}" = 1\n')
+    (tmp_path / "longpreset.toml").write_text(f'preset = "{"x" * 300_000}"\n')
     os.mkfifo(tmp_path / "fifo.toml")
     argv = [a.format(tmp=tmp_path, port=_closed_port()) for a in args]
     # A hang (the 10**12 window once never returned) fails here instead of stalling.
