@@ -28,6 +28,7 @@ Bounded: ``cases`` plans on pools of at most a few KiB per tensor.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import random
 import threading
@@ -491,6 +492,7 @@ def _engine_pass(cfg: OffloadConfig, cases: int, checked: dict[str, int], seed: 
             _events_released(bench.engine, "the stage's engine", bench.checked)
             _held_close(bench, rng, 4 * cases + 1)
             _dead_worker(bench, rng, 4 * cases + 5)
+            _dropped_engine(bench, rng, 4 * cases + 9)
         _after_close(bench, _valid_plan(rng, 4 * cases, bench.config, bench.caps))
     except BaseException:
         with contextlib.suppress(Exception):  # failing already: nothing may hide that
@@ -742,6 +744,30 @@ def _dead_worker(bench: _Bench, rng: random.Random, job: int) -> None:
         threading.excepthook = hook
     enforce([SetupRecord(f"job {job} when its worker died", problem)], bench.checked)
     _events_released(engine, "a third engine, whose worker died", bench.checked)
+
+
+def _dropped_engine(bench: _Bench, rng: random.Random, job: int) -> None:
+    """An engine the caller drops without ``close()`` (one per rebuild in an engine that
+    forgets it) is freed: its worker stops and its events are destroyed, once the job
+    it queued has run. A fourth engine on the stage's pools; the job is a store into its
+    own tier."""
+    engine = _valid("TransferEngine: the stage's pools, a fourth engine on the stand-in "
+                    "stream, dropped without close()",
+                    lambda: TransferEngine(bench.config, bench.gpu, simulate_stream=job),
+                    bench.checked)
+    stream = cast(SimulatedStream, engine._cuda)  # simulate_stream was given
+    thread = engine._thread
+    plan = replace(_valid_plan(rng, job, bench.config, bench.caps), kind=JobKind.STORE)
+    _valid(f"submit: valid plan {job}, then the engine dropped", partial(engine.submit, plan),
+           bench.checked)
+    del engine
+    gc.collect()
+    thread.join(JOB_SECONDS)  # a hang guard: the finalizer's stop mark ends it at once
+    live = stream.live_events()
+    problem = ("its worker still runs" if thread.is_alive()
+               else None if live == 0 else f"{live} events still alive")
+    enforce([SetupRecord("an engine dropped without close(): freed, its worker stopped "
+                         "and its events destroyed", problem)], bench.checked)
 
 
 def _after_close(bench: _Bench, plan: TransferPlan) -> None:

@@ -681,3 +681,18 @@ def test_a_python_id_check_removed_is_caught(monkeypatch: pytest.MonkeyPatch) ->
                   "for i, b in []:")
     monkeypatch.setattr(_plans, "_check_group_ranges", bad)
     assert "came from the C validator alone" in caught("A1", _transfer_stage)
+
+
+@pytest.mark.parametrize(("old", "new", "says"), [
+    ("for event in events:", "for event in []:", "events still alive"),
+    ("jobs.put_nowait(None)", "pass", "its worker still runs"),
+], ids=["events-kept", "no-stop-mark"])
+def test_an_engine_dropped_without_close_that_is_not_freed_is_caught(
+        monkeypatch: pytest.MonkeyPatch, old: str, new: str, says: str) -> None:
+    """Mutants of the finalizer of an engine dropped without close() (held-out seed 78's
+    m23 is the first): its events are not destroyed, or its worker is never told to
+    stop. The transfer stage now drops a fourth engine and looks (X2)."""
+    from refinement.test_refinement_mutants import mutated
+    monkeypatch.setattr(_enginecheck, "JOB_SECONDS", 5.0)  # the join's guard, for no-stop
+    monkeypatch.setattr(_engine, "_dropped", mutated(_engine._dropped, old, new))
+    assert says in caught("X2", _transfer_stage)
