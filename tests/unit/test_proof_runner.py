@@ -26,10 +26,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_an_interrupted_run_ends_its_crosshair_children(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     # Python's own SIGINT handler, whatever the runner or an earlier test left (a worker
     # process may ignore SIGINT): the interrupt below must raise KeyboardInterrupt.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))  # failed or not
     started: list[int] = []
     real_start = _proofs.Children.start
 
@@ -58,7 +59,6 @@ def test_an_interrupted_run_ends_its_crosshair_children(
             break
         threading.Event().wait(0.1)
     assert not any(_alive(pid) for pid in started), started
-    signal.signal(signal.SIGINT, previous)
 
 
 def test_a_stopped_registry_starts_nothing() -> None:
